@@ -1,0 +1,3 @@
+"""mergepipe: budget-aware weight-space merging of checkpoint families."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,68 @@
+"""Opening the catalog: short connections that wait for another process's lock."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from contextlib import contextmanager
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import duckdb
+
+from ..errors import MergepipeError
+
+LOCK_TIMEOUT_S = float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
+
+
+def home() -> Path:
+    return Path(os.environ.get("MERGEPIPE_HOME", "~/.mergepipe")).expanduser()
+
+
+def default_catalog_path() -> Path:
+    env = os.environ.get("MERGEPIPE_CATALOG")
+    return Path(env).expanduser() if env else home() / "catalog.duckdb"
+
+
+def sql_text(name: str) -> str:
+    return resources.files(__package__).joinpath(name).read_text()
+
+
+def _is_lock_error(err: Exception) -> bool:
+    text = str(err)
+    return "lock" in text.lower() and ("Could not set lock" in text or "Conflicting lock" in text)
+
+
+@contextmanager
+def connect(path: str | Path | None = None, *, read_only: bool = False, timeout: float = LOCK_TIMEOUT_S) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A connection held only for the duration of the block.
+
+    DuckDB lets one process at a time open a file for writing and fails at once otherwise;
+    we retry with jittered backoff until `timeout`, then say who holds the lock."""
+    path = Path(path) if path is not None else default_catalog_path()
+    if read_only and not path.exists():
+        raise MergepipeError(f"{path}: no catalog yet (run `mergepipe index` first)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout
+    delay = 0.05
+    while True:
+        try:
+            con = duckdb.connect(str(path), read_only=read_only, config={"memory_limit": "4GB"})
+            break
+        except duckdb.IOException as err:
+            if not _is_lock_error(err) or time.monotonic() > deadline:
+                if _is_lock_error(err):
+                    raise MergepipeError(
+                        f"{path}: catalog is locked by another process for more than {timeout:.0f} s ({err})"
+                    ) from None
+                raise
+            time.sleep(delay * (1 + random.random()))
+            delay = min(delay * 2, 1.0)
+    try:
+        if not read_only:
+            con.execute(sql_text("schema.sql"))
+        yield con
+    finally:
+        con.close()

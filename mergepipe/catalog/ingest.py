@@ -1,0 +1,123 @@
+"""Writing models, tensors and block statistics into the catalog (bulk, through Arrow)."""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+
+from ..family import Family, model_fingerprint
+from ..layout import layer_group
+from ..storage.model_files import ModelFiles
+
+
+def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Table]:
+    m_rows, f_rows, t_rows = [], [], []
+    for model in models:
+        fp = model_fingerprint(model)
+        m_rows.append(
+            {
+                "model_fp": fp,
+                "uri": model.uri,
+                "n_tensors": len(model.tensors),
+                "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values()),
+            }
+        )
+        for shard, ffp in model.fingerprints.items():
+            f_rows.append(
+                {"model_fp": fp, "file": shard, "size": ffp.size, "mtime_ns": ffp.mtime_ns,
+                 "header_bytes": len(model.header_bytes.get(shard, b""))}
+            )
+        for name, loc in model.tensors.items():
+            t_rows.append(
+                {"model_fp": fp, "name": name, "file": loc.file, "dtype": loc.info.dtype,
+                 "shape": list(loc.info.shape), "byte_start": loc.info.start, "byte_end": loc.info.end,
+                 "layer": layer_group(name)}
+            )
+    tensors = pa.Table.from_pylist(
+        t_rows,
+        schema=pa.schema([("model_fp", pa.string()), ("name", pa.string()), ("file", pa.string()),
+                          ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("byte_start", pa.int64()),
+                          ("byte_end", pa.int64()), ("layer", pa.string())]),
+    )
+    return pa.Table.from_pylist(m_rows), pa.Table.from_pylist(f_rows), tensors
+
+
+def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
+    """Record every model's files and tensor table (idempotent: keyed by fingerprint)."""
+    models, files, tensors = _model_tables([family.base, *family.experts])
+    con.execute("BEGIN")
+    try:
+        con.register("new_models", models)
+        con.register("new_files", files)
+        con.register("new_tensors", tensors)
+        con.execute(
+            "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
+            "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
+        )
+        con.execute("INSERT OR IGNORE INTO model_files SELECT * FROM new_files")
+        con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        for name in ("new_models", "new_files", "new_tensors"):
+            con.unregister(name)
+
+
+def indexed_experts(con: duckdb.DuckDBPyConnection, base_fp: str, expert_fps: list[str], block_size: int) -> set[str]:
+    """Experts whose statistics against this base and block size are complete."""
+    rows = con.execute(
+        "SELECT expert_fp FROM stat_sets WHERE base_fp = ? AND block_size = ? AND list_contains(?, expert_fp)",
+        [base_fp, block_size, expert_fps],
+    ).fetchall()
+    return {r[0] for r in rows}
+
+
+def content_digests(con: duckdb.DuckDBPyConnection, fps: list[str]) -> dict[str, str]:
+    rows = con.execute(
+        "SELECT model_fp, content_sha256 FROM models WHERE list_contains(?, model_fp) AND content_sha256 IS NOT NULL",
+        [fps],
+    ).fetchall()
+    return dict(rows)
+
+
+def ingest_stats(
+    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, stats: pa.Table, content: dict[str, str]
+) -> None:
+    """All statistics of the indexed experts in one transaction, with their stat_sets rows."""
+    con.execute("BEGIN")
+    try:
+        con.register("new_stats", stats)
+        con.execute(
+            "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? "
+            "AND expert_fp IN (SELECT DISTINCT expert_fp FROM new_stats)",
+            [base_fp, block_size],
+        )
+        con.execute(
+            "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, layer, row_start, row_end, "
+            "bytes, delta_sq, max_abs_delta, nnz_delta, content_hash FROM new_stats",
+            [base_fp, block_size],
+        )
+        for fp, digest in content.items():
+            con.execute("UPDATE models SET content_sha256 = ? WHERE model_fp = ?", [digest, fp])
+        con.execute(
+            "INSERT OR REPLACE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq) "
+            "SELECT ?, expert_fp, ?, count(*), sum(bytes), sum(delta_sq) FROM new_stats GROUP BY expert_fp",
+            [base_fp, block_size],
+        )
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        con.unregister("new_stats")
+
+
+def mark_indexed_without_blocks(con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, expert_fps: list[str]) -> None:
+    """Experts with no float blocks at all still get a (empty) stat set, so they count as indexed."""
+    for fp in expert_fps:
+        con.execute(
+            "INSERT OR IGNORE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq) VALUES (?, ?, ?, 0, 0, 0)",
+            [base_fp, fp, block_size],
+        )

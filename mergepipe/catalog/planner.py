@@ -1,0 +1,82 @@
+"""The planner: rank candidates in SQL (planner.sql), then choose the access set under a byte
+budget (greedy + fill, fill_round.sql) or an error target (omitted_bound.sql)."""
+
+from __future__ import annotations
+
+import duckdb
+import pyarrow as pa
+
+from .db import sql_text
+
+MAX_FILL_ROUNDS = 256
+
+
+def rank_candidates(
+    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, experts: list[tuple[int, str, float]]
+) -> int:
+    """Build the temp table plan_candidates; returns how many pairs are worth reading."""
+    table = pa.table(
+        {
+            "expert": pa.array([e[0] for e in experts], pa.int32()),
+            "expert_fp": pa.array([e[1] for e in experts], pa.string()),
+            "coefficient": pa.array([e[2] for e in experts], pa.float64()),
+        }
+    )
+    con.register("plan_experts_in", table)
+    try:
+        con.execute(sql_text("planner.sql"), {"base_fp": base_fp, "block_size": block_size})
+    finally:
+        con.unregister("plan_experts_in")
+    return con.execute("SELECT count(*) FROM plan_candidates").fetchone()[0]
+
+
+def select_within_bytes(con: duckdb.DuckDBPyConnection, budget_bytes: int) -> int:
+    """Greedy by score per byte, then fill with what still fits. Returns the selected bytes."""
+    after, remaining, selected = 0, budget_bytes, 0
+    fill = sql_text("fill_round.sql")
+    for _ in range(MAX_FILL_ROUNDS):
+        if remaining <= 0:
+            break
+        last, taken, first_skipped = con.execute(fill, {"after": after, "remaining": remaining}).fetchone()
+        con.execute(
+            "UPDATE plan_candidates SET selected = true WHERE rank > $after AND rank <= $last AND bytes <= $remaining",
+            {"after": after, "last": last, "remaining": remaining},
+        )
+        selected += taken
+        remaining -= taken
+        if first_skipped is None:
+            break
+        after = first_skipped
+    return selected
+
+
+def bound_if_first(con: duckdb.DuckDBPyConnection, n: int) -> float:
+    return con.execute(sql_text("omitted_bound.sql"), {"n": n}).fetchone()[0]
+
+
+def select_within_error(con: duckdb.DuckDBPyConnection, max_error: float, n_candidates: int) -> int:
+    """The shortest prefix of the ranking whose omitted-error bound is at most max_error.
+
+    The bound only shrinks as the prefix grows, so a binary search finds it."""
+    lo, hi = 0, n_candidates
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if bound_if_first(con, mid) <= max_error:
+            hi = mid
+        else:
+            lo = mid + 1
+    con.execute("UPDATE plan_candidates SET selected = true WHERE rank <= ?", [lo])
+    return con.execute("SELECT coalesce(sum(bytes), 0) FROM plan_candidates WHERE selected").fetchone()[0]
+
+
+def selected_pairs(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    return con.sql(
+        "SELECT expert, tensor, block, row_start, row_end, bytes, score FROM plan_candidates "
+        "WHERE selected ORDER BY expert, tensor, block"
+    ).to_arrow_table()
+
+
+def omitted_pairs(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    return con.sql(
+        "SELECT expert, tensor, block, score FROM plan_candidates WHERE NOT selected ORDER BY tensor, block, expert"
+    ).to_arrow_table()

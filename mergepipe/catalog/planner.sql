@@ -1,0 +1,21 @@
+-- Candidate (expert, block) pairs ranked for reading.
+--   score(k, b) = |c_k| * ||delta_{k,b}||_F     value of reading the pair
+--   rank by score per byte, descending; ties broken by (expert position, tensor, block) so the
+--   order is total and the plan deterministic.
+-- Blocks whose delta is zero everywhere (nnz_delta = 0) are not candidates: reading them
+-- costs bytes and changes nothing.
+-- Inputs: $base_fp, $block_size, and the registered table plan_experts_in(expert, expert_fp, coefficient).
+CREATE OR REPLACE TEMP TABLE plan_candidates AS
+WITH cand AS (
+    SELECT e.expert, s.tensor, s.block, s.layer, s.row_start, s.row_end, s.bytes, s.delta_sq,
+           abs(e.coefficient) * sqrt(s.delta_sq) AS score
+    FROM block_stats s
+    JOIN plan_experts_in e ON e.expert_fp = s.expert_fp
+    WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0 AND s.bytes > 0
+)
+SELECT row_number() OVER w AS rank,
+       expert, tensor, block, layer, row_start, row_end, bytes, delta_sq, score,
+       sum(bytes) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_bytes,
+       false AS selected
+FROM cand
+WINDOW w AS (ORDER BY score / bytes DESC, expert, tensor, block);

@@ -1,0 +1,79 @@
+"""Plans, runs and manifests in the catalog, and the read-only query door."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+from .db import connect, sql_text
+
+
+def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
+    con.execute("BEGIN")
+    try:
+        exists = con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchone()
+        if not exists:
+            con.register("new_plan", pa.Table.from_pylist([plan_row]))
+            con.register("new_plan_experts", pa.Table.from_pylist(experts))
+            con.register("new_access", access)
+            con.execute(
+                "INSERT INTO plans (plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, "
+                "full_expert_bytes, planned_bytes, error_bound, bound_guaranteed, n_pairs) "
+                "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
+                "planned_bytes, error_bound, bound_guaranteed, n_pairs FROM new_plan"
+            )
+            con.execute(
+                "INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts"
+            )
+            con.execute(
+                "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
+                [plan_row["plan_digest"]],
+            )
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        for name in ("new_plan", "new_plan_experts", "new_access"):
+            try:
+                con.unregister(name)
+            except Exception:
+                pass
+
+
+def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, block_size: int) -> list[dict]:
+    rel = con.execute(sql_text("explain.sql"), {"plan_digest": plan_digest, "base_fp": base_fp, "block_size": block_size})
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, row)) for row in rel.fetchall()]
+
+
+def record_run(con: duckdb.DuckDBPyConnection, run: dict) -> None:
+    con.register("new_run", pa.Table.from_pylist([run]))
+    try:
+        con.execute(
+            "INSERT OR REPLACE INTO runs (run_id, kind, plan_digest, merge_digest, out_uri, started_at, finished_at, "
+            "wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
+            "output_bytes_written, flow_run_id) SELECT run_id, kind, plan_digest, merge_digest, out_uri, started_at, "
+            "finished_at, wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
+            "output_bytes_written, flow_run_id FROM new_run"
+        )
+    finally:
+        con.unregister("new_run")
+
+
+def record_manifest(con: duckdb.DuckDBPyConnection, merge_digest: str, out_uri: str, manifest_json: str) -> None:
+    con.execute(
+        "INSERT OR REPLACE INTO manifests (merge_digest, out_uri, manifest_json) VALUES (?, ?, ?)",
+        [merge_digest, out_uri, manifest_json],
+    )
+
+
+def query_readonly(query: str, path: str | Path | None = None) -> tuple[list[str], list[tuple]]:
+    """Run a query on a read-only connection: the catalog cannot be changed through it."""
+    with connect(path, read_only=True) as con:
+        rel = con.execute(query)
+        if rel.description is None:
+            return [], []
+        return [d[0] for d in rel.description], rel.fetchall()

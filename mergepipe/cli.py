@@ -1,0 +1,272 @@
+"""The `mergepipe` command line. Every command is a thin call into an importable function."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+# Prefect's defaults are tuned for a running server; a CLI that starts its own ephemeral one on
+# a loaded 2-core machine needs a longer start-up timeout and quieter logs.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Failures are reported once, as one line, by this CLI (MERGEPIPE_DEBUG=1 adds the traceback);
+# Prefect still sends them to its API for the UI.
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from .errors import BadInput, MergepipeError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Budget-aware merging of checkpoint families.")
+catalog_app = typer.Typer(no_args_is_help=True, help="Query the catalog.")
+app.add_typer(catalog_app, name="catalog")
+out_console = Console()
+err_console = Console(stderr=True)
+
+CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
+JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+
+
+def _fail(err: BaseException) -> None:
+    err_console.print(f"[red]error:[/red] {err}", highlight=False, markup=True, soft_wrap=True)
+    raise typer.Exit(getattr(err, "exit_code", 1))
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """Prefect may wrap a task's exception; find ours in the chain."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, MergepipeError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return err
+
+
+def run_command(fn: Callable[[], Any]) -> Any:
+    from . import progress
+
+    progress.set_reporter(progress.for_terminal())
+    try:
+        return fn()
+    except typer.Exit:
+        raise
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        raise typer.Exit(130)
+    except BaseException as err:  # noqa: BLE001 - every failure becomes an exit code
+        if os.environ.get("MERGEPIPE_DEBUG"):
+            import traceback
+
+            traceback.print_exc()
+        found = _unwrap(err)
+        if isinstance(found, MergepipeError):
+            _fail(found)
+        err_console.print(f"[red]error:[/red] {type(err).__name__}: {err}", highlight=False)
+        raise typer.Exit(1)
+    finally:
+        progress.set_reporter(None)
+
+
+def _budget_args(budget: Optional[str], max_error: Optional[float]) -> None:
+    if budget is not None and max_error is not None:
+        raise BadInput("--budget and --max-error: give one, not both")
+    if budget is not None:
+        from .sizes import parse_budget
+
+        parse_budget(budget, key="--budget")
+
+
+def _mib(n: int | float) -> str:
+    return f"{n / 2**20:,.2f} MiB"
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def _print_merge(result: dict, title: str) -> None:
+    t = Table(title=title, show_header=False)
+    t.add_row("output", result["out"])
+    t.add_row("digest", result["digest"])
+    t.add_row("method", result["merge_method"])
+    t.add_row("budget", f"{_mib(result['budget_bytes'])} of {_mib(result['full_expert_bytes'])} expert bytes")
+    t.add_row("expert bytes planned / read", f"{_mib(result['expert_bytes_planned'])} / {_mib(result['expert_bytes_read'])}")
+    t.add_row("base bytes read", _mib(result["bytes"]["base"]))
+    t.add_row("output bytes written", _mib(result["bytes"]["output"]))
+    bound = f"{result['error_bound']:.6g}" + ("" if result["bound_guaranteed"] else " (heuristic: operator is not additive)")
+    t.add_row("error bound ‖θ̂−θ_full‖_F", bound)
+    t.add_row("wall time", f"{result['wall_seconds']:.2f} s")
+    out_console.print(t)
+
+
+@app.command()
+def index(config: Path, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+    """Index a family: headers, then block statistics for experts not indexed yet."""
+
+    def go() -> dict:
+        from .flows.index_family import index_family
+
+        return index_family(config=str(config), catalog=str(catalog) if catalog else None)
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+        return
+    out_console.print(
+        f"indexed {len(result['indexed_now'])} expert(s), {len(result['already_indexed'])} already indexed; "
+        f"read {_mib(result['bytes']['expert'])} of expert data, {_mib(result['bytes']['base'])} of base data "
+        f"in {result['wall_seconds']:.2f} s"
+    )
+
+
+@app.command()
+def plan(
+    config: Path,
+    budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
+    max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
+    catalog: Optional[Path] = CatalogOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
+
+    def go() -> dict:
+        _budget_args(budget, max_error)
+        from .flows.merge import plan as plan_flow
+
+        return plan_flow(config=str(config), budget=budget, max_error=max_error, catalog=str(catalog) if catalog else None)
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+        return
+    t = Table(title=f"plan {result['plan_digest'][:16]} ({result['merge_method']})")
+    for col in ("layer", "expert", "selected", "of", "energy captured"):
+        t.add_column(col, justify="right" if col != "layer" else "left")
+    for row in result["explain"]:
+        share = row["captured_energy"] / row["delta_energy"] if row["delta_energy"] else 1.0
+        t.add_row(row["layer"], str(row["expert"]), _mib(row["selected_bytes"]), _mib(row["expert_bytes"]), f"{share:.1%}")
+    out_console.print(t)
+    out_console.print(
+        f"planned {_mib(result['expert_bytes_planned'])} of budget {_mib(result['budget_bytes'])} "
+        f"(full {_mib(result['full_expert_bytes'])}); error bound {result['error_bound']:.6g}"
+        + ("" if result["bound_guaranteed"] else " (heuristic)")
+    )
+
+
+@app.command()
+def merge(
+    config: Path,
+    out: Path = typer.Option(..., "--out", help="Output folder (published atomically)."),
+    budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
+    max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    catalog: Optional[Path] = CatalogOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Index, plan and merge; publish the output with its manifest."""
+
+    def go() -> dict:
+        _budget_args(budget, max_error)
+        from .flows.merge import merge as merge_flow
+
+        return merge_flow(config=str(config), out=str(out), budget=budget, max_error=max_error,
+                          overwrite=overwrite, catalog=str(catalog) if catalog else None)
+
+    result = run_command(go)
+    _print_json(result) if as_json else _print_merge(result, "merge")
+
+
+@app.command()
+def replay(
+    manifest: Path,
+    out: Path = typer.Option(..., "--out", help="Output folder."),
+    overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    catalog: Optional[Path] = CatalogOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Re-execute a manifest's access set and reproduce its digest (refuses changed inputs)."""
+
+    def go() -> dict:
+        from .flows.replay import replay as replay_flow
+
+        return replay_flow(manifest=str(manifest), out=str(out), overwrite=overwrite, catalog=str(catalog) if catalog else None)
+
+    result = run_command(go)
+    _print_json(result) if as_json else _print_merge(result, "replay")
+
+
+@app.command()
+def verify(out: Path, as_json: bool = JsonOpt) -> None:
+    """Re-hash an output against its manifest."""
+
+    def go():
+        from .manifest import verify_output
+
+        return verify_output(out)
+
+    result = run_command(go)
+    if as_json:
+        _print_json({"out": result.out, "digest": result.digest, "ok": result.ok, "problems": result.problems,
+                     "checked_bytes": result.checked_bytes})
+    elif result.ok:
+        out_console.print(f"ok: {out} matches its manifest (digest {result.digest}, {_mib(result.checked_bytes)} hashed)")
+    else:
+        for p in result.problems:
+            err_console.print(f"[red]mismatch:[/red] {p}", highlight=False)
+    if not result.ok:
+        raise typer.Exit(1)
+
+
+@catalog_app.command("sql")
+def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+    """Run a read-only SQL query on the catalog."""
+
+    def go():
+        import duckdb
+
+        from .catalog.records import query_readonly
+
+        try:
+            return query_readonly(query, catalog)
+        except duckdb.Error as err:
+            raise BadInput(f"query: {err}") from None
+
+    cols, rows = run_command(go)
+    if as_json:
+        _print_json([dict(zip(cols, r)) for r in rows])
+        return
+    t = Table()
+    for c in cols:
+        t.add_column(c)
+    for r in rows:
+        t.add_row(*("" if v is None else str(v) for v in r))
+    out_console.print(t)
+
+
+@app.command()
+def demo(out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder for the family, catalog and outputs."),
+         as_json: bool = JsonOpt) -> None:
+    """Build a small family, index it, plan and merge it at 25% and 100%, verify the outputs."""
+
+    def go() -> dict:
+        from .demo import run_demo
+
+        return run_demo(out, echo=None if as_json else out_console.print)
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Merging one layer group: read the base tensors and only the planned expert blocks, apply the
+operator in fp32, and write the result at its precomputed place in the staged output."""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from .layout import block_rows, byte_range, coalesce
+from .operators import TensorContext, get_operator
+from .output_layout import OutputLayout, plan_output
+from .planning import Plan, output_dtype
+from .storage.ledger import ByteLedger
+from .storage.reader import RangeReader
+from .storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
+from .storage.writer import write_at
+
+
+def output_layout_of(plan: Plan) -> OutputLayout:
+    spec = plan.spec
+    base = plan.inputs[0]
+    entries = {
+        name: (output_dtype(spec.get("dtype"), spec.get("out_dtype"), dtype), tuple(shape))
+        for name, (_, dtype, shape, _) in base.tensors.items()
+    }
+    return plan_output(entries, plan.merge_spec().out_shard_size_bytes)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(t.shape[0], -1) if t.dim() >= 1 else t.reshape(1, 1)
+
+
+def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
+    """fp32 values, first rounded to the config's `dtype` if one was given (mergekit casts
+    inputs to it on load)."""
+    if compute_dtype is not None and t.dtype != compute_dtype:
+        t = t.to(compute_dtype)
+    return t.to(torch.float32)
+
+
+class GroupMerger:
+    """Merges the tensors of one group. One instance per task; not shared across threads."""
+
+    def __init__(self, plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger) -> None:
+        self.plan = plan
+        self.layout = layout
+        self.staging = staging
+        self.ledger = ledger
+        self.reader = RangeReader(ledger)
+        spec = plan.merge_spec()
+        self.op = get_operator(spec.merge_method)
+        self.params = plan.merge_params()
+        self.seed = spec.seed
+        self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
+
+    def _path(self, model_index: int, file: str) -> str:
+        inp = self.plan.inputs[model_index]
+        root = inp.uri if os.path.isdir(inp.uri) else os.path.dirname(inp.uri)
+        return os.path.join(root, file)
+
+    def run(self, group: str) -> int:
+        names = self.layout.groups[group]
+        wanted: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
+        access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
+        for e, t, b, r0, r1 in zip(*(access[c].to_pylist() for c in ("expert", "tensor", "block", "row_start", "row_end"))):
+            wanted[(e, t)].append((b, r0, r1))
+        try:
+            for name in names:
+                self._merge_tensor(name, wanted)
+        finally:
+            self.reader.close()
+        return len(names)
+
+    def _merge_tensor(self, name: str, wanted: dict) -> None:
+        base_in = self.plan.inputs[0]
+        file, dtype, shape, start = base_in.tensors[name]
+        shape = tuple(shape)
+        dt = DTYPES[dtype]
+        nbytes = dt.itemsize
+        for s in shape:
+            nbytes *= s
+        out = self.layout.tensors[name]
+        out_path = self.staging / out.shard
+        raw = self.reader.read(self._path(0, file), start, start + nbytes, role="base", model="base", file=file)
+        if not dt.is_float:
+            write_at(out_path, out.start, bytes(raw), self.ledger)
+            return
+        base = _compute(decode(raw, dtype, shape), self.compute_dtype)
+        experts = []
+        for k in range(len(self.plan.inputs) - 1):
+            blocks = wanted.get((k, name))
+            if not blocks:
+                experts.append(base)  # nothing planned: a zero delta
+                continue
+            experts.append(self._read_expert(k, name, base, sorted(blocks)))
+        ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
+        merged = self.op.merge(base, experts, self.params, ctx)
+        data = encode(merged.to(DTYPES[out.dtype].torch))
+        assert len(data) == out.end - out.start, (name, len(data), out)
+        write_at(out_path, out.start, data, self.ledger)
+
+    def _read_expert(self, k: int, name: str, base: torch.Tensor, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
+        """The expert's tensor as the merge sees it: planned rows read, every other row the
+        base's (a zero delta). Adjacent planned blocks are fetched in one read."""
+        inp = self.plan.inputs[k + 1]
+        file, dtype, shape, start = inp.tensors[name]
+        shape = tuple(shape)
+        itemsize = DTYPES[dtype].itemsize
+        row_runs = coalesce([(r0, r1) for _, r0, r1 in blocks])
+        ranges = [byte_range(start, shape, itemsize, r0, r1) for r0, r1 in row_runs]
+        raws = self.reader.read_many(self._path(k + 1, file), ranges, role="expert", model=inp.role, file=file)
+        x = base.clone()
+        rows = _as_rows(x)
+        width = rows.shape[1]
+        for (r0, r1), raw in zip(row_runs, raws):
+            part = decode(raw, dtype, (r1 - r0, width))
+            rows[r0:r1] = _compute(part, self.compute_dtype)
+        return x
+
+
+def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> list[dict]:
+    """Merge one group into the staged output; returns the ledger rows of what it read and wrote."""
+    ledger = ByteLedger()
+    GroupMerger(plan, layout, staging, ledger).run(group)
+    return ledger.rows()

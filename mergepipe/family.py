@@ -1,0 +1,69 @@
+"""A checkpoint family: a base and K experts sharing one coordinate system."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .canonical import digest_of
+from .errors import BadInput
+from .storage.model_files import ModelFiles, read_model
+from .storage.reader import RangeReader
+from .storage.safetensors_format import DTYPES
+
+
+def model_fingerprint(model: ModelFiles) -> str:
+    """Cheap identity of a model's files as they are now (location, sizes, mtimes).
+
+    It keys cached statistics; content digests (SHA-256 of the tensor bytes) identify inputs
+    in plans and manifests."""
+    return digest_of(
+        {"uri": model.uri, "files": {s: fp.as_json() for s, fp in sorted(model.fingerprints.items())}}
+    )
+
+
+def expert_label(i: int) -> str:
+    return f"expert-{i}"
+
+
+@dataclass
+class Family:
+    base: ModelFiles
+    experts: list[ModelFiles]
+
+    @property
+    def base_fp(self) -> str:
+        return model_fingerprint(self.base)
+
+    def expert_fps(self) -> list[str]:
+        return [model_fingerprint(e) for e in self.experts]
+
+    def tensor_names(self) -> list[str]:
+        return sorted(self.base.tensors)
+
+
+def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
+    """Same tensor names and shapes everywhere; floating dtypes may differ, others may not."""
+    names = set(base.tensors)
+    for i, e in enumerate(experts):
+        who = f"expert {i} ({e.uri})"
+        extra = sorted(set(e.tensors) - names)
+        if extra:
+            raise BadInput(f"{who}: tensor {extra[0]!r} is not in the base model {base.uri}")
+        missing = sorted(names - set(e.tensors))
+        if missing:
+            raise BadInput(f"{who}: tensor {missing[0]!r} of the base model is missing")
+        for name in sorted(names):
+            b, x = base.tensors[name].info, e.tensors[name].info
+            if b.shape != x.shape:
+                raise BadInput(f"{who}: tensor {name!r} has shape {list(x.shape)}, the base has {list(b.shape)}")
+            bf, xf = DTYPES[b.dtype].is_float, DTYPES[x.dtype].is_float
+            if bf != xf or (not bf and b.dtype != x.dtype):
+                raise BadInput(f"{who}: tensor {name!r} has dtype {x.dtype}, the base has {b.dtype}")
+
+
+def load_family(base_uri: str, expert_uris: list[str], reader: RangeReader) -> Family:
+    """Read every header (never tensor data) and check the family before anything else runs."""
+    base = read_model(base_uri, reader, "base")
+    experts = [read_model(u, reader, expert_label(i)) for i, u in enumerate(expert_uris)]
+    validate_family(base, experts)
+    return Family(base, experts)

@@ -1,0 +1,164 @@
+"""Steps shared by the flows: index a family, execute a saved plan and publish it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from prefect.futures import as_completed
+
+from .. import progress
+from ..family import Family
+from ..manifest import MANIFEST_FILE, versions
+from ..planning import Plan
+from ..spec import MergeSpec
+from ..storage import writer
+from ..storage.ledger import ByteLedger
+from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
+from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, _load
+
+
+def worker_count() -> int:
+    return max(1, int(os.environ.get("MERGEPIPE_WORKERS", "2")))
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+@dataclass
+class IndexOutcome:
+    family: Family
+    content: dict[str, str]
+    indexed: list[int]  # expert positions indexed in this run
+    ledger: ByteLedger = field(default_factory=ByteLedger)
+    seconds: float = 0.0
+
+
+def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
+    t0 = time.perf_counter()
+    ledger = ByteLedger()
+    family, rows = read_family_headers(spec.base_model, spec.expert_uris)
+    ledger.merge(rows)
+    bs = spec.block_size_bytes
+    known, content = register_family(family, bs, catalog)
+    missing, seen = [], set(known)
+    for i, fp in enumerate(family.expert_fps()):
+        if fp not in seen:
+            missing.append(i)
+            seen.add(fp)
+    fps = [family.base_fp, *family.expert_fps()]
+    if missing or any(fp not in content for fp in fps):
+        result, rows = compute_block_stats(family, missing, bs)
+        ledger.merge(rows)
+        ingest_block_stats(family, missing, bs, result, catalog)
+        content = {**content, **result.content}
+    return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0)
+
+
+def flow_run_id() -> str | None:
+    try:
+        from prefect.runtime import flow_run
+
+        return str(flow_run.id) if flow_run.id else None
+    except Exception:
+        return None
+
+
+def execute_plan(
+    plan: Plan,
+    plan_dir: str,
+    out: Path,
+    *,
+    overwrite: bool,
+    catalog: str | None,
+    kind: str,
+    ledger: ByteLedger,
+    timings: dict,
+    started_at: str,
+    t0: float,
+    expected_digest: str | None = None,
+) -> dict:
+    """Stage, merge every layer group as its own task, hash, write the manifest, publish."""
+    _, layout = _load(plan_dir)
+    staging = stage_output(plan_dir, str(out))
+    rep = progress.reporter()
+    try:
+        t_merge = time.perf_counter()
+        groups = list(layout.groups)
+        rep.start("merge", len(groups), "groups")
+        futures = [merge_layer_group.submit(plan_dir, g, staging) for g in groups]
+        try:
+            for fut in as_completed(futures):
+                ledger.merge(fut.result())
+                rep.advance("merge", 1)
+        finally:
+            rep.finish("merge")
+        timings["merge"] = time.perf_counter() - t_merge
+        t_finish = time.perf_counter()
+        output, rows = finish_output(plan_dir, staging)
+        ledger.merge(rows)
+        timings["finish"] = time.perf_counter() - t_finish
+        expert_read = ledger.total("expert")
+        run = {
+            "kind": kind,
+            "started_at": started_at,
+            "finished_at": now(),
+            "wall_seconds": time.perf_counter() - t0,
+            "flow_run_id": flow_run_id(),
+            "versions": versions(),
+            "inputs": [{"role": i.role, "uri": i.uri, "files": i.files, "model_fp": i.model_fp} for i in plan.inputs],
+            "spec": plan.spec,
+            "bytes": ledger.by_role(),
+            "ledger": ledger.rows(),
+            "expert_bytes_planned": plan.expert_bytes_planned,
+            "expert_bytes_read": expert_read,
+            "timings": timings,
+        }
+        manifest = publish_output(plan_dir, staging, str(out), overwrite, output, run, expected_digest)
+    except BaseException:
+        writer.discard(Path(staging))
+        raise
+    manifest_json = json.dumps(manifest, sort_keys=True)
+    record_run(
+        catalog,
+        {
+            "run_id": flow_run_id() or f"{plan.plan_digest[:12]}-{started_at}",
+            "kind": kind,
+            "plan_digest": plan.plan_digest,
+            "merge_digest": manifest["digest"],
+            "out_uri": str(out),
+            "started_at": datetime.fromisoformat(started_at),
+            "finished_at": datetime.fromisoformat(run["finished_at"]),
+            "wall_seconds": run["wall_seconds"],
+            "expert_bytes_planned": plan.expert_bytes_planned,
+            "expert_bytes_read": expert_read,
+            "base_bytes_read": ledger.total("base"),
+            "header_bytes_read": ledger.total("header"),
+            "output_bytes_written": ledger.total("output"),
+            "flow_run_id": flow_run_id(),
+        },
+        manifest,
+        manifest_json,
+    )
+    return {
+        "digest": manifest["digest"],
+        "plan_digest": plan.plan_digest,
+        "out": str(out),
+        "manifest": str(out / MANIFEST_FILE),
+        "merge_method": plan.spec["merge_method"],
+        "budget_bytes": plan.budget_bytes,
+        "full_expert_bytes": plan.full_expert_bytes,
+        "expert_bytes_planned": plan.expert_bytes_planned,
+        "expert_bytes_read": expert_read,
+        "bytes": ledger.by_role(),
+        "error_bound": plan.error_bound,
+        "bound_guaranteed": plan.bound_guaranteed,
+        "pairs": plan.n_pairs,
+        "wall_seconds": time.perf_counter() - t0,
+        "timings": timings,
+    }

@@ -1,0 +1,27 @@
+"""Flow: index a family (headers always; block statistics only for experts not yet indexed)."""
+
+from __future__ import annotations
+
+from prefect import flow
+
+from ..spec import load_spec
+from .common import run_index
+
+
+@flow(name="index-family")
+def index_family(config: str, catalog: str | None = None) -> dict:
+    spec = load_spec(config)
+    outcome = run_index(spec, catalog)
+    return {
+        "base": spec.base_model,
+        "experts": spec.expert_uris,
+        "block_size": spec.block_size_bytes,
+        "indexed_now": [spec.expert_uris[i] for i in outcome.indexed],
+        "already_indexed": [u for i, u in enumerate(spec.expert_uris) if i not in outcome.indexed],
+        "bytes": outcome.ledger.by_role(),
+        "content_sha256": {
+            "base": outcome.content[outcome.family.base_fp],
+            **{f"expert-{i}": outcome.content[fp] for i, fp in enumerate(outcome.family.expert_fps())},
+        },
+        "wall_seconds": outcome.seconds,
+    }

@@ -1,0 +1,66 @@
+"""Flows: plan a merge, and merge (index → plan → per-layer execution → publish)."""
+
+from __future__ import annotations
+
+import time
+
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from ..spec import MergeSpec, load_spec
+from ..storage.writer import check_destination
+from ..tasks.plan_tasks import plan_merge
+from .common import execute_plan, now, run_index, worker_count
+
+
+def spec_with_overrides(config: str, budget: str | None, max_error: float | None) -> MergeSpec:
+    spec = load_spec(config)
+    if budget is not None:
+        spec = spec.with_overrides(budget=budget, max_error=None)
+    elif max_error is not None:
+        spec = spec.with_overrides(budget=None, max_error=max_error)
+    return spec
+
+
+@flow(name="plan-merge")
+def plan(config: str, budget: str | None = None, max_error: float | None = None, catalog: str | None = None) -> dict:
+    spec = spec_with_overrides(config, budget, max_error)
+    outcome = run_index(spec, catalog)
+    p, explain, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    return {
+        "plan_digest": p.plan_digest,
+        "plan_dir": plan_dir,
+        "merge_method": spec.merge_method,
+        "budget": p.budget,
+        "budget_bytes": p.budget_bytes,
+        "full_expert_bytes": p.full_expert_bytes,
+        "expert_bytes_planned": p.expert_bytes_planned,
+        "planned_bytes_per_expert": p.planned_bytes,
+        "error_bound": p.error_bound,
+        "bound_guaranteed": p.bound_guaranteed,
+        "pairs": p.n_pairs,
+        "explain": explain,
+    }
+
+
+@flow(name="merge", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
+def merge(
+    config: str,
+    out: str,
+    budget: str | None = None,
+    max_error: float | None = None,
+    overwrite: bool = False,
+    catalog: str | None = None,
+) -> dict:
+    t0 = time.perf_counter()
+    started = now()
+    spec = spec_with_overrides(config, budget, max_error)
+    out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
+    outcome = run_index(spec, catalog)
+    t_plan = time.perf_counter()
+    p, _, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
+    return execute_plan(
+        p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="merge",
+        ledger=outcome.ledger, timings=timings, started_at=started, t0=t0,
+    )

@@ -1,0 +1,57 @@
+"""Flow: re-execute a manifest's access set, without re-planning, and reproduce its digest."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from prefect import flow
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from ..errors import BadInput
+from ..manifest import MANIFEST_FILE, load_manifest
+from ..planning import build_plan
+from ..spec import MergeSpec
+from ..storage.writer import check_destination
+from ..tasks.plan_tasks import plans_dir
+from .common import execute_plan, now, run_index, worker_count
+
+
+@flow(name="replay", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
+def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None = None) -> dict:
+    t0 = time.perf_counter()
+    started = now()
+    m_path = Path(manifest)
+    m_dir = m_path if m_path.is_dir() else m_path.parent
+    recorded = load_manifest(m_path)
+    content, run = recorded["content"], recorded["run"]
+    spec = MergeSpec.model_validate(run["spec"])
+    out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
+    outcome = run_index(spec, catalog)
+    fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
+    for want, fp, uri in zip(content["plan"]["inputs"], fps, [spec.base_model, *spec.expert_uris]):
+        have = outcome.content[fp]
+        if have != want["content_sha256"]:
+            raise BadInput(
+                f"{uri}: input {want['role']} changed since the merge "
+                f"(content sha256 {have}, the manifest records {want['content_sha256']}); refusing to replay"
+            )
+    access_path = m_dir / content["output"]["access_set_file"]
+    if not access_path.exists():
+        raise BadInput(f"{access_path}: the manifest's access set is missing")
+    access = pq.read_table(access_path)
+    plan_content = content["plan"]
+    p = build_plan(
+        spec, outcome.family, outcome.content, access,
+        budget_bytes=plan_content["budget_bytes"], bound=plan_content["error_bound"],
+    )
+    if p.plan_digest != plan_content["plan_digest"]:
+        raise BadInput(f"{m_dir / MANIFEST_FILE}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}")
+    plan_dir = plans_dir(p.plan_digest)
+    p.save(plan_dir)
+    return execute_plan(
+        p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="replay",
+        ledger=outcome.ledger, timings={"index": outcome.seconds}, started_at=started, t0=t0,
+        expected_digest=recorded["digest"],
+    )

@@ -1,0 +1,56 @@
+"""Pure arithmetic over tensor shapes: blocks (runs of whole rows), layer groups, byte ranges."""
+
+from __future__ import annotations
+
+import math
+import re
+
+_LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
+
+
+def row_elems(shape: tuple[int, ...]) -> int:
+    return math.prod(shape[1:]) if len(shape) >= 1 else 1
+
+
+def block_rows(shape: tuple[int, ...], itemsize: int, block_size: int) -> list[tuple[int, int]]:
+    """Row ranges along dim 0 of about `block_size` bytes each; a 0-d or 1-D tensor is one block,
+    a zero-size tensor has none. Rows are whole, so each block is one contiguous byte range."""
+    if len(shape) == 0:
+        return [(0, 1)]
+    if math.prod(shape) == 0:
+        return []
+    rows = shape[0]
+    if len(shape) == 1:
+        return [(0, rows)]
+    per_block = max(1, block_size // (row_elems(shape) * itemsize))
+    return [(r, min(r + per_block, rows)) for r in range(0, rows, per_block)]
+
+
+def byte_range(start: int, shape: tuple[int, ...], itemsize: int, r0: int, r1: int) -> tuple[int, int]:
+    """Absolute byte range of rows [r0, r1) of a tensor stored at `start`."""
+    n = row_elems(shape) * itemsize
+    return start + r0 * n, start + r1 * n
+
+
+def layer_group(name: str) -> str:
+    """The execution group of a tensor: its transformer layer, or embeddings / head / other."""
+    m = _LAYER.search(name)
+    if m:
+        return f"layer.{int(m.group(1)):05d}"
+    lowered = name.lower()
+    if "embed" in lowered or "wte" in lowered or "wpe" in lowered:
+        return "embeddings"
+    if "lm_head" in lowered or lowered.startswith("head.") or ".head." in lowered or lowered.startswith("cls."):
+        return "head"
+    return "other"
+
+
+def coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Merge touching or overlapping ranges (sorted by start) into single reads."""
+    out: list[tuple[int, int]] = []
+    for s, e in sorted(ranges):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out

@@ -1,0 +1,131 @@
+"""Manifests: the record that identifies a merge (content, hashed into its digest) and how it
+ran (run section, outside the digest), plus `verify`."""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from . import __version__
+from .canonical import digest_of
+from .errors import BadInput
+from .output_layout import OutputLayout
+from .planning import Plan, access_set_sha256
+from .storage.ledger import ByteLedger
+from .storage.model_files import INDEX_FILE
+from .storage.writer import copy_file, sha256_file, write_file
+
+MANIFEST_FILE = "mergepipe-manifest.json"
+ACCESS_FILE = "mergepipe-access.parquet"
+FORMAT = "mergepipe-manifest/1"
+
+
+def index_json(layout: OutputLayout) -> bytes:
+    body = {"metadata": {"total_size": layout.total_size(), "format": "pt"}, "weight_map": layout.weight_map()}
+    return (json.dumps(body, indent=2, sort_keys=True) + "\n").encode()
+
+
+def versions() -> dict:
+    import duckdb
+    import prefect
+    import torch
+
+    return {
+        "mergepipe": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "duckdb": duckdb.__version__,
+        "prefect": prefect.__version__,
+    }
+
+
+def write_output_files(plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger) -> dict:
+    """Index, sidecars and access set into staging; then hash everything. Returns the
+    manifest's `output` section."""
+    write_file(staging / INDEX_FILE, index_json(layout))
+    base = plan.inputs[0]
+    base_root = Path(base.uri) if Path(base.uri).is_dir() else Path(base.uri).parent
+    for name in base.sidecars:
+        copy_file(str(base_root / name), staging / name, ledger)
+    pq.write_table(plan.access, staging / ACCESS_FILE)
+    shards = []
+    for shard in layout.shards:
+        digest, size = sha256_file(staging / shard.name, ledger)
+        shards.append({"file": shard.name, "size": size, "sha256": digest})
+    files = []
+    for name in [INDEX_FILE, *base.sidecars]:
+        digest, size = sha256_file(staging / name)
+        files.append({"file": name, "size": size, "sha256": digest})
+    return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}
+
+
+def build_manifest(plan: Plan, output: dict, run: dict) -> dict:
+    content = {"format": FORMAT, "plan": plan.content(), "output": output}
+    return {"digest": digest_of(content), "content": content, "run": run}
+
+
+def write_manifest(staging: Path, manifest: dict) -> None:
+    write_file(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+
+
+def load_manifest(path: str | Path) -> dict:
+    """A manifest whose digest matches its content; a hand-edited one is refused."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / MANIFEST_FILE
+    if not path.exists():
+        raise BadInput(f"{path}: no manifest (the output was never published, or this is not a mergepipe output)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInput(f"{path}: manifest is not valid JSON ({err})") from None
+    if not isinstance(manifest, dict) or not {"digest", "content", "run"} <= set(manifest):
+        raise BadInput(f"{path}: not a mergepipe manifest (needs digest, content and run)")
+    if manifest["content"].get("format") != FORMAT:
+        raise BadInput(f"{path}: unknown manifest format {manifest['content'].get('format')!r}")
+    actual = digest_of(manifest["content"])
+    if actual != manifest["digest"]:
+        raise BadInput(f"{path}: manifest content does not match its digest (edited by hand?): {actual} != {manifest['digest']}")
+    return manifest
+
+
+@dataclass
+class Verification:
+    out: str
+    digest: str
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    checked_bytes: int = 0
+
+    def fail(self, msg: str) -> None:
+        self.ok = False
+        self.problems.append(msg)
+
+
+def verify_output(out: str | Path) -> Verification:
+    """Re-hash every file the manifest names; report each that differs."""
+    out = Path(out)
+    manifest = load_manifest(out)
+    result = Verification(str(out), manifest["digest"])
+    output = manifest["content"]["output"]
+    for entry in output["shards"] + output["files"]:
+        path = out / entry["file"]
+        if not path.exists():
+            result.fail(f"{path}: missing")
+            continue
+        digest, size = sha256_file(path)
+        result.checked_bytes += size
+        if size != entry["size"] or digest != entry["sha256"]:
+            result.fail(f"{path}: sha256 {digest} ({size} bytes) differs from the manifest's {entry['sha256']} ({entry['size']} bytes)")
+    access_path = out / output["access_set_file"]
+    if not access_path.exists():
+        result.fail(f"{access_path}: missing")
+    else:
+        sha = access_set_sha256(pq.read_table(access_path))
+        if sha != manifest["content"]["plan"]["access_set"]["sha256"]:
+            result.fail(f"{access_path}: access set differs from the manifest's")
+    return result

@@ -1,0 +1,92 @@
+"""Where every output tensor goes: shard, byte offsets and headers, known before any merging,
+so layer tasks can write their tensors in place, in any order, on any worker."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .layout import layer_group
+from .storage.safetensors_format import DTYPES, build_header
+
+
+def group_sort_key(group: str) -> tuple[int, str]:
+    if group == "embeddings":
+        return (0, "")
+    if group.startswith("layer."):
+        return (1, group)
+    if group == "other":
+        return (2, "")
+    return (3, group)
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class OutputShard:
+    name: str
+    header: bytes
+    size: int
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class OutputLayout:
+    shards: tuple[OutputShard, ...]
+    tensors: dict[str, OutputTensor]
+    groups: dict[str, tuple[str, ...]]  # execution group -> tensor names, in order
+
+    def weight_map(self) -> dict[str, str]:
+        return {n: t.shard for n, t in sorted(self.tensors.items())}
+
+    def total_size(self) -> int:
+        return sum(t.end - t.start for t in self.tensors.values())
+
+
+def shard_names(n: int) -> list[str]:
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def plan_output(entries: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes: int) -> OutputLayout:
+    """entries: tensor name -> (output dtype, shape). Tensors are laid out group by group
+    (embeddings, layers in order, the rest, the head), a new shard starting when the next
+    tensor would push the current one past max_shard_bytes."""
+    groups: dict[str, list[str]] = {}
+    for name in sorted(entries):
+        groups.setdefault(layer_group(name), []).append(name)
+    ordered_groups = sorted(groups, key=group_sort_key)
+    order = [n for g in ordered_groups for n in groups[g]]
+
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in order:
+        dtype, shape = entries[name]
+        n = DTYPES[dtype].itemsize
+        for s in shape:
+            n *= s
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+
+    names = shard_names(len(shards))
+    out_shards, out_tensors = [], {}
+    for shard_name, members in zip(names, shards):
+        header, ranges = build_header([(m, entries[m][0], entries[m][1]) for m in members])
+        for m, (s, e) in zip(members, ranges):
+            out_tensors[m] = OutputTensor(m, entries[m][0], entries[m][1], shard_name, s, e)
+        total = ranges[-1][1] if ranges else len(header)
+        out_shards.append(OutputShard(shard_name, header, total, tuple(members)))
+    return OutputLayout(tuple(out_shards), out_tensors, {g: tuple(groups[g]) for g in ordered_groups})
+
+

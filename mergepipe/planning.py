@@ -1,0 +1,215 @@
+"""Plans: which (expert, block) pairs a merge reads, what that costs, and what it may lose.
+
+A plan is canonical data: its digest is the SHA-256 of (spec content, input content digests,
+block size, access set). It is saved as plan.json + access.parquet so that layer tasks, on any
+worker, get it by path rather than as a parameter.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .canonical import digest_of, round_sig
+from .family import Family, model_fingerprint
+from .operators import MergeParams, get_operator
+from .spec import MergeSpec, resolve_params
+from .storage.safetensors_format import CONFIG_DTYPES, DTYPES
+
+ACCESS_SCHEMA = pa.schema(
+    [
+        ("expert", pa.int32()),
+        ("tensor", pa.string()),
+        ("block", pa.int32()),
+        ("row_start", pa.int64()),
+        ("row_end", pa.int64()),
+        ("bytes", pa.int64()),
+    ]
+)
+
+
+def access_set_sha256(access: pa.Table) -> str:
+    """Canonical hash of an access set: sorted (expert, tensor, block) lines, independent of
+    row order and of the Parquet writer's version."""
+    rows = sorted(zip(access["expert"].to_pylist(), access["tensor"].to_pylist(), access["block"].to_pylist()))
+    h = hashlib.sha256()
+    for e, t, b in rows:
+        h.update(f"{e}\t{t}\t{b}\n".encode())
+    return h.hexdigest()
+
+
+def error_bound(omitted: pa.Table) -> float:
+    """sqrt(sum_b (sum_{k omitted} |c_k| ||delta_kb||)^2), summed exactly (math.fsum) so the
+    value does not depend on summation order."""
+    per_block: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for t, b, s in zip(omitted["tensor"].to_pylist(), omitted["block"].to_pylist(), omitted["score"].to_pylist()):
+        per_block[(t, b)].append(s)
+    return math.sqrt(math.fsum(math.fsum(v) ** 2 for v in per_block.values()))
+
+
+@dataclass
+class InputModel:
+    role: str  # "base" or "expert-<i>"
+    uri: str
+    model_fp: str
+    content_sha256: str
+    files: dict[str, dict]  # shard -> {size, mtime_ns}
+    tensors: dict[str, list]  # name -> [file, dtype, shape, start]
+    sidecars: list[str] = field(default_factory=list)
+
+
+def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]:
+    out = []
+    for role, model in [("base", family.base)] + [(f"expert-{i}", e) for i, e in enumerate(family.experts)]:
+        fp = model_fingerprint(model)
+        out.append(
+            InputModel(
+                role=role,
+                uri=model.uri,
+                model_fp=fp,
+                content_sha256=content[fp],
+                files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},
+                tensors={n: [loc.file, loc.info.dtype, list(loc.info.shape), loc.info.start] for n, loc in sorted(model.tensors.items())},
+                sidecars=list(model.sidecars),
+            )
+        )
+    return out
+
+
+@dataclass
+class Plan:
+    plan_digest: str
+    spec: dict  # the full spec (with model locations, without storage options)
+    spec_content: dict  # the spec as it enters digests
+    params: dict
+    inputs: list[InputModel]
+    block_size: int
+    budget: dict
+    budget_bytes: int
+    full_expert_bytes: int
+    planned_bytes: list[int]  # per expert
+    error_bound: float
+    bound_guaranteed: bool
+    access_sha256: str
+    n_pairs: int
+    access: pa.Table | None = None
+
+    @property
+    def expert_bytes_planned(self) -> int:
+        return sum(self.planned_bytes)
+
+    def merge_spec(self) -> MergeSpec:
+        return MergeSpec.model_validate(self.spec)
+
+    def merge_params(self) -> MergeParams:
+        p = self.params
+        return MergeParams(tuple(p["weights"]), tuple(p["densities"]), p["lambda"], p["normalize"], p["rescale"])
+
+    def content(self) -> dict:
+        """What identifies the plan (and enters the merge digest)."""
+        return {
+            "spec": self.spec_content,
+            "inputs": [{"role": i.role, "content_sha256": i.content_sha256} for i in self.inputs],
+            "block_size": self.block_size,
+            "budget": self.budget,
+            "budget_bytes": self.budget_bytes,
+            "full_expert_bytes": self.full_expert_bytes,
+            "plan_digest": self.plan_digest,
+            "access_set": {"pairs": self.n_pairs, "sha256": self.access_sha256},
+            "planned_expert_bytes": self.planned_bytes,
+            "error_bound": self.error_bound,
+            "bound_guaranteed": self.bound_guaranteed,
+        }
+
+    def save(self, folder: str | Path) -> Path:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        data = asdict(self)
+        data.pop("access")
+        tmp = folder / "plan.json.tmp"
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        pq.write_table(self.access, folder / "access.parquet.tmp")
+        os.replace(folder / "access.parquet.tmp", folder / "access.parquet")
+        os.replace(tmp, folder / "plan.json")
+        return folder
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "Plan":
+        folder = Path(folder)
+        data = json.loads((folder / "plan.json").read_text())
+        data["inputs"] = [InputModel(**i) for i in data["inputs"]]
+        plan = cls(**data)
+        plan.access = pq.read_table(folder / "access.parquet").cast(ACCESS_SCHEMA)
+        return plan
+
+
+def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int, access_sha: str) -> str:
+    return digest_of(
+        {
+            "format": "mergepipe-plan/1",
+            "spec": spec_content,
+            "inputs": [i.content_sha256 for i in inputs],
+            "block_size": block_size,
+            "access_set": access_sha,
+        }
+    )
+
+
+def full_expert_bytes(family: Family) -> int:
+    return sum(loc.info.nbytes for e in family.experts for loc in e.tensors.values())
+
+
+def build_plan(
+    spec: MergeSpec,
+    family: Family,
+    content: dict[str, str],
+    access: pa.Table,
+    *,
+    budget_bytes: int,
+    bound: float,
+) -> Plan:
+    """Assemble a plan from a chosen access set (from the planner, or from a manifest)."""
+    access = access.select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
+    op = get_operator(spec.merge_method)
+    params = resolve_params(spec)
+    inputs = describe_inputs(family, content)
+    access_sha = access_set_sha256(access)
+    spec_content = spec.content()
+    planned = [0] * len(family.experts)
+    for e, b in zip(access["expert"].to_pylist(), access["bytes"].to_pylist()):
+        planned[e] += b
+    full = full_expert_bytes(family)
+    spec_full = spec.model_dump(by_alias=True, exclude={"storage_options"})
+    return Plan(
+        plan_digest=plan_digest_of(spec_content, inputs, spec.block_size_bytes, access_sha),
+        spec=spec_full,
+        spec_content=spec_content,
+        params=params.as_json(),
+        inputs=inputs,
+        block_size=spec.block_size_bytes,
+        budget=spec.budget_obj().as_json() if spec.max_error is None else {"kind": "max_error", "value": spec.max_error},
+        budget_bytes=budget_bytes,
+        full_expert_bytes=full,
+        planned_bytes=planned,
+        error_bound=round_sig(bound),
+        bound_guaranteed=op.additive,
+        access_sha256=access_sha,
+        n_pairs=access.num_rows,
+        access=access,
+    )
+
+
+def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype: str) -> str:
+    """out_dtype, else the compute dtype if one was asked for, else the base's dtype."""
+    if not DTYPES[base_dtype].is_float:
+        return base_dtype
+    chosen = spec_out_dtype or spec_dtype
+    return CONFIG_DTYPES[chosen] if chosen else base_dtype

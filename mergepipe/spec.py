@@ -1,0 +1,207 @@
+"""MergeSpec: the merge configuration, in mergekit's YAML shape plus mergepipe's own keys.
+
+Strict by design: an unknown key anywhere is an error that names it (mergekit silently
+ignores misspelled keys, which is a common source of wrong merges).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import BadInput
+from .sizes import Budget, parse_budget, parse_size
+
+DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+
+class ModelParameters(_Strict):
+    weight: float | None = None
+    density: float | None = None
+
+    @field_validator("density")
+    @classmethod
+    def _density_range(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 < v <= 1.0):
+            raise ValueError(f"density must be in (0, 1], got {v}")
+        return v
+
+
+class GlobalParameters(ModelParameters):
+    lambda_: float | None = Field(default=None, alias="lambda")
+    normalize: bool | None = None
+    rescale: bool | None = None
+
+
+class ModelEntry(_Strict):
+    model: str
+    parameters: ModelParameters = ModelParameters()
+
+
+class MergeSpec(_Strict):
+    merge_method: str
+    base_model: str
+    models: list[ModelEntry] = Field(min_length=1)
+    parameters: GlobalParameters = GlobalParameters()
+    dtype: DTypeName | None = None
+    out_dtype: DTypeName | None = None
+    # mergepipe's own keys
+    budget: str | int | None = None
+    max_error: float | None = None
+    block_size: str | int = "1MiB"
+    out_shard_size: str | int = "5GB"
+    seed: int = 0
+    storage_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("merge_method")
+    @classmethod
+    def _known_method(cls, v: str) -> str:
+        from .operators import OPERATORS
+
+        if v not in OPERATORS:
+            raise ValueError(f"unknown merge_method {v!r}; known: {', '.join(sorted(OPERATORS))}")
+        return v
+
+    @field_validator("max_error")
+    @classmethod
+    def _max_error_non_negative(cls, v: float | None) -> float | None:
+        if v is not None and not (v >= 0):
+            raise ValueError(f"max_error must be >= 0, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "MergeSpec":
+        if self.budget is not None and self.max_error is not None:
+            raise ValueError("give either budget or max_error, not both")
+        parse_budget(self.budget)
+        if self.block_size_bytes <= 0:
+            raise ValueError("block_size must be positive")
+        if self.out_shard_size_bytes <= 0:
+            raise ValueError("out_shard_size must be positive")
+        return self
+
+    @property
+    def block_size_bytes(self) -> int:
+        return parse_size(self.block_size, key="block_size")
+
+    @property
+    def out_shard_size_bytes(self) -> int:
+        return parse_size(self.out_shard_size, key="out_shard_size")
+
+    def budget_obj(self) -> Budget:
+        return parse_budget(self.budget)
+
+    @property
+    def expert_uris(self) -> list[str]:
+        return [m.model for m in self.models]
+
+    def with_overrides(self, **changes: Any) -> "MergeSpec":
+        """A copy with some keys replaced (CLI flags such as --budget), validated again."""
+        data = self.model_dump(by_alias=True)
+        data.update(changes)
+        return validate_spec(data, source="command line")
+
+    def content(self) -> dict:
+        """The spec as it enters digests: no model locations (inputs are identified by content)
+        and no storage options (they may hold credentials)."""
+        data = self.model_dump(by_alias=True, exclude={"storage_options"})
+        data["base_model"] = "base"
+        data["models"] = [
+            {"model": f"expert-{i}", "parameters": m.parameters.model_dump(by_alias=True)}
+            for i, m in enumerate(self.models)
+        ]
+        data["block_size"] = self.block_size_bytes
+        data["out_shard_size"] = self.out_shard_size_bytes
+        return data
+
+
+def _format_error(err: ValidationError, source: str) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif first["type"] == "missing":
+        msg = "required key is missing"
+    return f"{source}: {loc}: {msg}"
+
+
+def validate_spec(data: Any, *, source: str) -> MergeSpec:
+    if not isinstance(data, dict):
+        raise BadInput(f"{source}: expected a mapping at the top level, got {type(data).__name__}")
+    try:
+        return MergeSpec.model_validate(data)
+    except ValidationError as err:
+        raise BadInput(_format_error(err, source)) from None
+    except BadInput as err:
+        raise BadInput(f"{source}: {err}") from None
+
+
+def _resolve_location(uri: str, base_dir: Path) -> str:
+    if "://" in uri:
+        return uri
+    path = Path(uri).expanduser()
+    if not path.is_absolute():
+        path = base_dir / path
+    return str(path.resolve())
+
+
+def load_spec(path: str | Path) -> MergeSpec:
+    """Read a YAML config; relative model paths are taken relative to the config's folder."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise BadInput(f"{path}: config file not found") from None
+    except OSError as err:
+        raise BadInput(f"{path}: cannot read config: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise BadInput(f"{path}: not valid YAML: {err}") from None
+    spec = validate_spec(data, source=str(path))
+    base_dir = path.resolve().parent
+    return spec.model_copy(
+        update={
+            "base_model": _resolve_location(spec.base_model, base_dir),
+            "models": [
+                m.model_copy(update={"model": _resolve_location(m.model, base_dir)}) for m in spec.models
+            ],
+        }
+    )
+
+
+def resolve_params(spec: MergeSpec):
+    """Per-expert weights and densities plus global parameters, with the operator's defaults.
+
+    Precedence as in mergekit: a model's own parameters, then the global `parameters`.
+    """
+    from .operators import MergeParams, get_operator
+
+    op = get_operator(spec.merge_method)
+    g = spec.parameters
+    weights, densities = [], []
+    for i, entry in enumerate(spec.models):
+        w = entry.parameters.weight if entry.parameters.weight is not None else g.weight
+        if w is None:
+            raise BadInput(
+                f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r} "
+                f"(model {entry.model})"
+            )
+        d = entry.parameters.density if entry.parameters.density is not None else g.density
+        weights.append(float(w))
+        densities.append(1.0 if d is None else float(d))
+    return MergeParams(
+        weights=tuple(weights),
+        densities=tuple(densities),
+        lam=1.0 if g.lambda_ is None else float(g.lambda_),
+        normalize=op.default_normalize if g.normalize is None else g.normalize,
+        rescale=op.default_rescale if g.rescale is None else g.rescale,
+    )

@@ -1,0 +1,113 @@
+"""Finding a model's files and reading its tensor table from the safetensors headers."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ..errors import BadInput
+from .reader import FileFingerprint, RangeReader, fingerprint, read_small_file
+from .safetensors_format import TensorInfo, header_length, parse_header
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Copied byte for byte from the base into the output (those that exist).
+SIDECAR_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass(frozen=True)
+class TensorLocation:
+    file: str  # shard name relative to the model folder
+    info: TensorInfo
+
+
+@dataclass
+class ModelFiles:
+    uri: str  # the model folder (or the single .safetensors file)
+    root: str  # folder the shard names are relative to
+    shards: list[str]
+    sidecars: list[str]
+    fingerprints: dict[str, FileFingerprint] = field(default_factory=dict)
+    tensors: dict[str, TensorLocation] = field(default_factory=dict)
+    header_bytes: dict[str, bytes] = field(default_factory=dict)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+
+def _inside(root: str, name: str, source: str) -> str:
+    if os.path.isabs(name) or name != os.path.normpath(name) or name.startswith(".."):
+        raise BadInput(f"{source}: shard name {name!r} escapes the model folder")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(root, name))
+    if os.path.commonpath([real_root, real]) != real_root:
+        raise BadInput(f"{source}: shard {name!r} resolves outside the model folder")
+    return name
+
+
+def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
+    """The model's shard files (and its index weight map, if any), without reading tensor data."""
+    if os.path.isfile(uri):
+        if not uri.endswith(".safetensors"):
+            raise BadInput(f"{uri}: not a .safetensors file or a model folder")
+        root, name = os.path.split(uri)
+        return ModelFiles(uri, root, [name], []), None
+    if not os.path.isdir(uri):
+        raise BadInput(f"{uri}: model not found (no such file or folder)")
+    sidecars = [n for n in SIDECAR_FILES if os.path.isfile(os.path.join(uri, n))]
+    index_path = os.path.join(uri, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            index = json.loads(read_small_file(index_path))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise BadInput(f"{index_path}: not valid JSON ({err})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise BadInput(f"{index_path}: weight_map must map tensor names to shard file names")
+        shards = sorted({_inside(uri, v, index_path) for v in weight_map.values()})
+        for s in shards:
+            if not os.path.isfile(os.path.join(uri, s)):
+                raise BadInput(f"{index_path}: shard {s!r} is missing")
+        return ModelFiles(uri, uri, shards, sidecars), weight_map
+    if os.path.isfile(os.path.join(uri, SINGLE_FILE)):
+        return ModelFiles(uri, uri, [SINGLE_FILE], sidecars), None
+    raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
+
+
+def read_model(uri: str, reader: RangeReader, label: str) -> ModelFiles:
+    """Discover the files, fingerprint them, and read each header with two small ranged reads."""
+    model, weight_map = discover(uri)
+    for shard in model.shards:
+        path = model.path(shard)
+        fp = fingerprint(path)
+        model.fingerprints[shard] = fp
+        prefix = reader.read(path, 0, min(8, fp.size), role="header", model=label, file=shard)
+        n = header_length(bytes(prefix), fp.size, path)
+        raw = bytes(reader.read(path, 8, 8 + n, role="header", model=label, file=shard))
+        model.header_bytes[shard] = bytes(prefix) + raw
+        tensors, _ = parse_header(raw, fp.size, path)
+        for t in tensors:
+            if t.name in model.tensors:
+                raise BadInput(f"{uri}: tensor {t.name!r} appears in both {model.tensors[t.name].file} and {shard}")
+            if weight_map is not None and weight_map.get(t.name) != shard:
+                raise BadInput(f"{model.path(INDEX_FILE)}: tensor {t.name!r} is in {shard} but the weight_map says {weight_map.get(t.name)!r}")
+            model.tensors[t.name] = TensorLocation(shard, t)
+    if weight_map is not None:
+        missing = sorted(set(weight_map) - set(model.tensors))
+        if missing:
+            raise BadInput(f"{model.path(INDEX_FILE)}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]}")
+    return model

@@ -1,0 +1,145 @@
+"""The safetensors format: header parsing (from 8 + N bytes, never the whole file) and
+header building for outputs whose tensor sizes are known before any data exists."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BadInput
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is rejected unread
+
+
+@dataclass(frozen=True)
+class DType:
+    name: str  # safetensors spelling
+    torch: torch.dtype
+    itemsize: int
+    is_float: bool
+
+
+DTYPES: dict[str, DType] = {
+    d.name: d
+    for d in (
+        DType("F64", torch.float64, 8, True),
+        DType("F32", torch.float32, 4, True),
+        DType("F16", torch.float16, 2, True),
+        DType("BF16", torch.bfloat16, 2, True),
+        DType("I64", torch.int64, 8, False),
+        DType("I32", torch.int32, 4, False),
+        DType("I16", torch.int16, 2, False),
+        DType("I8", torch.int8, 1, False),
+        DType("U8", torch.uint8, 1, False),
+        DType("BOOL", torch.bool, 1, False),
+    )
+}
+# Config dtype names (mergekit's) to safetensors names.
+CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def header_length(prefix: bytes, file_size: int, source: str) -> int:
+    if len(prefix) < 8:
+        raise BadInput(f"{source}: truncated safetensors file ({file_size} bytes, no header length)")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if n > MAX_HEADER_BYTES:
+        raise BadInput(f"{source}: declared header of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if 8 + n > file_size:
+        raise BadInput(f"{source}: header length {n} runs past the end of the file ({file_size} bytes)")
+    return n
+
+
+def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorInfo], dict]:
+    """Tensors of one file, with absolute byte ranges, validated against the file size."""
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInput(f"{source}: header is not valid JSON ({err})") from None
+    if not isinstance(header, dict):
+        raise BadInput(f"{source}: header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + len(raw)
+    tensors = []
+    for name, entry in header.items():
+        where = f"{source}: tensor {name!r}"
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise BadInput(f"{where}: entry must have exactly dtype, shape and data_offsets")
+        dtype = entry["dtype"]
+        if dtype not in DTYPES:
+            raise BadInput(f"{where}: unsupported dtype {dtype!r}")
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+            raise BadInput(f"{where}: shape must be a list of non-negative integers")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise BadInput(f"{where}: data_offsets must be two ordered non-negative integers")
+        start, end = data_start + offsets[0], data_start + offsets[1]
+        if end > file_size:
+            raise BadInput(f"{where}: data_offsets {offsets} run past the end of the file ({file_size} bytes)")
+        expected = math.prod(shape) * DTYPES[dtype].itemsize
+        if end - start != expected:
+            raise BadInput(f"{where}: data_offsets cover {end - start} bytes but {dtype} {shape} needs {expected}")
+        tensors.append(TensorInfo(name, dtype, tuple(shape), start, end))
+    ordered = sorted(tensors, key=lambda t: (t.start, t.end))
+    for a, b in zip(ordered, ordered[1:]):
+        if b.start < a.end:
+            raise BadInput(f"{source}: tensors {a.name!r} and {b.name!r} overlap")
+    return tensors, metadata
+
+
+def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:
+    """Header bytes (length prefix included) for tensors laid out in the given order, and each
+    tensor's absolute (start, end) in the file."""
+    body: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    relative = []
+    for name, dtype, shape in entries:
+        n = math.prod(shape) * DTYPES[dtype].itemsize
+        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        relative.append((offset, offset + n))
+        offset += n
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
+    prefix = struct.pack("<Q", len(raw)) + raw
+    return prefix, [(len(prefix) + s, len(prefix) + e) for s, e in relative]
+
+
+def decode(raw: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Bytes to a tensor (a copy-free view of a writable buffer)."""
+    t = DTYPES[dtype].torch
+    if len(raw) == 0:
+        return torch.empty(shape, dtype=t)
+    return torch.frombuffer(raw, dtype=t).reshape(shape)
+
+
+def encode(t: torch.Tensor) -> bytes:
+    """Tensor to little-endian bytes in its own dtype."""
+    t = t.contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()

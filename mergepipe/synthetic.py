@@ -1,0 +1,143 @@
+"""Small synthetic checkpoint families (for the demo and the tests).
+
+Llama-shaped names, bf16 matrices and fp32 norms, tied embeddings (no lm_head), an int64
+buffer and a 0-d scalar, sharded with an index json. Experts are fine-tune-like: dense
+low-rank-plus-noise deltas whose size varies by layer, norms left untouched, or LoRA-style
+deltas in a few attention projections only."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class FamilyPaths:
+    base: Path
+    experts: list[Path]
+
+
+def base_tensors(n_layers: int, hidden: int, intermediate: int, vocab: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
+
+    t = {"model.embed_tokens.weight": w(vocab, hidden)}
+    for i in range(n_layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            t[p + f"self_attn.{name}.weight"] = w(hidden, hidden)
+        t[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
+        t[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
+        t[p + "input_layernorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.01
+        t[p + "post_attention_layernorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.01
+    t["model.norm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.01
+    t["model.logit_scale"] = torch.tensor(1.0)  # 0-d scalar
+    t["model.position_ids"] = torch.arange(32, dtype=torch.int64).reshape(1, 32)  # non-float buffer
+    return t
+
+
+def dense_expert(base: dict[str, torch.Tensor], seed: int, scale: float = 0.05) -> dict[str, torch.Tensor]:
+    """Low rank plus noise on every matrix, larger in later layers; norms and buffers untouched."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in base.items():
+        if t.dim() == 2 and t.is_floating_point() and "position" not in name:
+            layer = int(name.split(".")[2]) + 1 if ".layers." in name else 1
+            rows, cols = t.shape
+            a, b = torch.randn(rows, 4, generator=g), torch.randn(4, cols, generator=g)
+            delta = (a @ b) / 2 + torch.randn(rows, cols, generator=g)
+            delta = delta * (0.02 * scale * layer / 2)
+            out[name] = (t.float() + delta).to(t.dtype)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def lora_expert(base: dict[str, torch.Tensor], seed: int, rank: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> dict[str, torch.Tensor]:
+    """Delta B @ A only in the targeted attention projections; everything else equals the base."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in base.items():
+        if any(f"self_attn.{x}." in name for x in targets):
+            rows, cols = t.shape
+            delta = torch.randn(rows, rank, generator=g) @ torch.randn(rank, cols, generator=g) * 0.002
+            out[name] = (t.float() + delta).to(t.dtype)
+        else:
+            out[name] = t.clone()
+    return out
+
+
+def write_model(folder: Path, tensors: dict[str, torch.Tensor], shards: int, sidecars: bool = True) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards <= 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        per = -(-len(names) // shards)
+        weight_map = {}
+        for i in range(shards):
+            fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n].contiguous() for n in names[i * per : (i + 1) * per]}
+            save_file(part, folder / fname, metadata={"format": "pt"})
+            weight_map.update({n: fname for n in part})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    if sidecars:
+        (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}, indent=2))
+        (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
+    return folder
+
+
+def make_family(
+    root: str | Path,
+    *,
+    experts: tuple[str, ...] = ("dense", "dense", "lora"),
+    n_layers: int = 2,
+    hidden: int = 64,
+    intermediate: int = 128,
+    vocab: int = 256,
+    dtype: str = "bfloat16",
+    shards: int = 2,
+    seed: int = 0,
+) -> FamilyPaths:
+    root = Path(root)
+    base = base_tensors(n_layers, hidden, intermediate, vocab, DTYPES[dtype], seed)
+    base_dir = write_model(root / "base", base, shards)
+    expert_dirs = []
+    for i, kind in enumerate(experts):
+        if kind == "dense":
+            tensors = dense_expert(base, seed + 100 + i)
+        elif kind == "lora":
+            tensors = lora_expert(base, seed + 100 + i)
+        else:
+            raise ValueError(f"unknown expert kind {kind!r}")
+        expert_dirs.append(write_model(root / f"expert-{i}-{kind}", tensors, shards, sidecars=False))
+    return FamilyPaths(base_dir, expert_dirs)
+
+
+def write_config(path: str | Path, family: FamilyPaths, merge_method: str = "task_arithmetic", **extra) -> Path:
+    import yaml
+
+    path = Path(path)
+    weights = extra.pop("weights", None) or [round(1.0 / len(family.experts), 6)] * len(family.experts)
+    density = extra.pop("density", None)
+    models = []
+    for w, e in zip(weights, family.experts):
+        params = {"weight": w}
+        if density is not None:
+            params["density"] = density
+        models.append({"model": str(e), "parameters": params})
+    cfg = {"merge_method": merge_method, "base_model": str(family.base), "models": models, **extra}
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path

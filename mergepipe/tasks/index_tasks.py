@@ -1,0 +1,55 @@
+"""Tasks of indexing: headers, block statistics, catalog ingestion."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from .. import progress
+from ..catalog import db, ingest
+from ..family import Family, load_family
+from ..indexing import StatsResult, compute_stats
+from ..storage.ledger import ByteLedger
+from ..storage.reader import RangeReader
+from . import STORAGE_RETRIES
+
+
+@task(name="read-family-headers", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, list[dict]]:
+    ledger = ByteLedger()
+    with RangeReader(ledger) as reader:
+        family = load_family(base_uri, expert_uris, reader)
+    return family, ledger.rows()
+
+
+@task(name="register-family", cache_policy=NO_CACHE)
+def register_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str]]:
+    """Record the family; return which experts are already indexed and the known content digests."""
+    with db.connect(catalog) as con:
+        ingest.register_family(con, family)
+        known = ingest.indexed_experts(con, family.base_fp, family.expert_fps(), block_size)
+        fps = [family.base_fp, *family.expert_fps()]
+        return known, ingest.content_digests(con, fps)
+
+
+@task(name="compute-block-stats", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
+    ledger = ByteLedger()
+    total = sum(
+        loc.info.nbytes for i in positions for loc in family.experts[i].tensors.values()
+    )
+    rep = progress.reporter()
+    rep.start("index", total, "B")
+    try:
+        with RangeReader(ledger) as reader:
+            result = compute_stats(family, positions, block_size, reader, progress=lambda n: rep.advance("index", n))
+    finally:
+        rep.finish("index")
+    return result, ledger.rows()
+
+
+@task(name="ingest-block-stats", cache_policy=NO_CACHE)
+def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: str | None) -> None:
+    with db.connect(catalog) as con:
+        ingest.ingest_stats(con, family.base_fp, block_size, result.stats, result.content)
+        ingest.mark_indexed_without_blocks(con, family.base_fp, block_size, [family.expert_fps()[i] for i in positions])

@@ -1,0 +1,71 @@
+"""Tasks of execution: stage the output, merge one layer group, publish."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from ..catalog import db, records
+from ..errors import MergepipeError
+from ..execution import merge_group, output_layout_of
+from ..manifest import build_manifest, write_manifest, write_output_files
+from ..output_layout import OutputLayout
+from ..planning import Plan
+from ..storage import writer
+from ..storage.ledger import ByteLedger
+from . import STORAGE_RETRIES
+
+
+@lru_cache(maxsize=4)
+def _load(plan_dir: str) -> tuple[Plan, OutputLayout]:
+    plan = Plan.load(plan_dir)
+    return plan, output_layout_of(plan)
+
+
+@task(name="stage-output", cache_policy=NO_CACHE)
+def stage_output(plan_dir: str, out: str) -> str:
+    _, layout = _load(plan_dir)
+    staging = writer.new_staging_dir(Path(out))
+    for shard in layout.shards:
+        writer.create_shard(staging / shard.name, shard.header, shard.size)
+    return str(staging)
+
+
+@task(name="merge-layer-group", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+def merge_layer_group(plan_dir: str, group: str, staging: str) -> list[dict]:
+    """Merge one group of tensors into the staged output; returns the ledger rows."""
+    plan, layout = _load(plan_dir)
+    return merge_group(plan, layout, group, Path(staging))
+
+
+@task(name="write-output-files", cache_policy=NO_CACHE)
+def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
+    plan, layout = _load(plan_dir)
+    ledger = ByteLedger()
+    output = write_output_files(plan, layout, Path(staging), ledger)
+    return output, ledger.rows()
+
+
+@task(name="publish-output", cache_policy=NO_CACHE)
+def publish_output(
+    plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
+) -> dict:
+    """Write the manifest into staging and rename staging into place. With expected_digest
+    (replay), a merge that does not reproduce it is never published."""
+    plan, _ = _load(plan_dir)
+    manifest = build_manifest(plan, output, run)
+    if expected_digest is not None and manifest["digest"] != expected_digest:
+        raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
+    write_manifest(Path(staging), manifest)
+    writer.publish(Path(staging), Path(out), overwrite)
+    return manifest
+
+
+@task(name="record-run", cache_policy=NO_CACHE)
+def record_run(catalog: str | None, run_row: dict, manifest: dict, manifest_json: str) -> None:
+    with db.connect(catalog) as con:
+        records.record_run(con, run_row)
+        records.record_manifest(con, manifest["digest"], run_row["out_uri"], manifest_json)

@@ -1,0 +1,55 @@
+"""The planning task: rank in SQL, choose the access set, save the plan."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from ..catalog import db, planner, records
+from ..errors import MergepipeError
+from ..family import Family
+from ..operators import get_operator
+from ..planning import Plan, build_plan, error_bound, full_expert_bytes
+from ..spec import MergeSpec, resolve_params
+
+
+def plans_dir(digest: str) -> str:
+    return str(db.home() / "plans" / digest)
+
+
+@task(name="plan-merge", cache_policy=NO_CACHE)
+def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog: str | None) -> tuple[Plan, list[dict], str]:
+    """Returns the plan, its explain rows, and the folder it was saved in."""
+    coefficients = get_operator(spec.merge_method).coefficients(resolve_params(spec))
+    experts = [(i, fp, coefficients[i]) for i, fp in enumerate(family.expert_fps())]
+    full = full_expert_bytes(family)
+    with db.connect(catalog) as con:
+        n = planner.rank_candidates(con, family.base_fp, spec.block_size_bytes, experts)
+        if spec.max_error is not None:
+            budget_bytes = planner.select_within_error(con, spec.max_error, n)
+        else:
+            budget_bytes = spec.budget_obj().resolve(full)
+            planner.select_within_bytes(con, budget_bytes)
+        access = planner.selected_pairs(con)
+        plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)))
+        # Budget soundness is a property of the plan, checked before any expert byte is read.
+        if plan.expert_bytes_planned > budget_bytes:
+            raise MergepipeError(f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}")
+        records.save_plan(
+            con,
+            {
+                "plan_digest": plan.plan_digest, "base_fp": family.base_fp, "block_size": plan.block_size,
+                "merge_method": spec.merge_method, "budget": spec.budget_obj().describe() if spec.max_error is None else f"max_error={spec.max_error}",
+                "budget_bytes": budget_bytes, "full_expert_bytes": full, "planned_bytes": plan.expert_bytes_planned,
+                "error_bound": plan.error_bound, "bound_guaranteed": plan.bound_guaranteed, "n_pairs": plan.n_pairs,
+            },
+            [
+                {"plan_digest": plan.plan_digest, "expert": i, "expert_fp": fp, "coefficient": c, "planned_bytes": plan.planned_bytes[i]}
+                for i, fp, c in experts
+            ],
+            access.select(["expert", "tensor", "block", "bytes", "score"]),
+        )
+        explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
+    folder = plans_dir(plan.plan_digest)
+    plan.save(folder)
+    return plan, explain, folder
