@@ -82,6 +82,15 @@ def _budget_args(budget: Optional[str], max_error: Optional[float]) -> None:
         parse_budget(budget, key="--budget")
 
 
+def _check_config(config: Path):
+    """Validate the config before starting any flow (and Prefect's server): bad input fails fast."""
+    from .spec import load_spec, resolve_params
+
+    spec = load_spec(config)
+    resolve_params(spec)
+    return spec
+
+
 def _mib(n: int | float) -> str:
     return f"{n / 2**20:,.2f} MiB"
 
@@ -110,6 +119,7 @@ def index(config: Path, catalog: Optional[Path] = CatalogOpt, as_json: bool = Js
     """Index a family: headers, then block statistics for experts not indexed yet."""
 
     def go() -> dict:
+        _check_config(config)
         from .flows.index_family import index_family
 
         return index_family(config=str(config), catalog=str(catalog) if catalog else None)
@@ -137,6 +147,7 @@ def plan(
 
     def go() -> dict:
         _budget_args(budget, max_error)
+        _check_config(config)
         from .flows.merge import plan as plan_flow
 
         return plan_flow(config=str(config), budget=budget, max_error=max_error, catalog=str(catalog) if catalog else None)
@@ -173,6 +184,10 @@ def merge(
 
     def go() -> dict:
         _budget_args(budget, max_error)
+        spec = _check_config(config)
+        from .storage.writer import check_destination
+
+        check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
         from .flows.merge import merge as merge_flow
 
         return merge_flow(config=str(config), out=str(out), budget=budget, max_error=max_error,

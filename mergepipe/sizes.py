@@ -38,7 +38,7 @@ def parse_size(value: str | int, *, key: str) -> int:
     if isinstance(value, float):
         raise BadInput(f"{key}: expected a whole number of bytes or a size such as 512MiB, got {value!r}")
     m = _SIZE.match(str(value))
-    if not m or m.group(2).upper() not in _UNITS:
+    if not m or m.group(2).upper() not in _UNITS or (not m.group(2) and "." in m.group(1)):
         raise BadInput(f"{key}: expected a size such as 512MiB, 2GB or 1048576, got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
 

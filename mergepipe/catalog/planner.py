@@ -27,7 +27,7 @@ def rank_candidates(
         con.execute(sql_text("planner.sql"), {"base_fp": base_fp, "block_size": block_size})
     finally:
         con.unregister("plan_experts_in")
-    return con.execute("SELECT count(*) FROM plan_candidates").fetchone()[0]
+    return con.execute("SELECT count(*) FROM plan_candidates").fetchall()[0][0]
 
 
 def select_within_bytes(con: duckdb.DuckDBPyConnection, budget_bytes: int) -> int:
@@ -37,7 +37,7 @@ def select_within_bytes(con: duckdb.DuckDBPyConnection, budget_bytes: int) -> in
     for _ in range(MAX_FILL_ROUNDS):
         if remaining <= 0:
             break
-        last, taken, first_skipped = con.execute(fill, {"after": after, "remaining": remaining}).fetchone()
+        last, taken, first_skipped = con.execute(fill, {"after": after, "remaining": remaining}).fetchall()[0]
         con.execute(
             "UPDATE plan_candidates SET selected = true WHERE rank > $after AND rank <= $last AND bytes <= $remaining",
             {"after": after, "last": last, "remaining": remaining},
@@ -51,7 +51,7 @@ def select_within_bytes(con: duckdb.DuckDBPyConnection, budget_bytes: int) -> in
 
 
 def bound_if_first(con: duckdb.DuckDBPyConnection, n: int) -> float:
-    return con.execute(sql_text("omitted_bound.sql"), {"n": n}).fetchone()[0]
+    return con.execute(sql_text("omitted_bound.sql"), {"n": n}).fetchall()[0][0]
 
 
 def select_within_error(con: duckdb.DuckDBPyConnection, max_error: float, n_candidates: int) -> int:
@@ -66,7 +66,7 @@ def select_within_error(con: duckdb.DuckDBPyConnection, max_error: float, n_cand
         else:
             lo = mid + 1
     con.execute("UPDATE plan_candidates SET selected = true WHERE rank <= ?", [lo])
-    return con.execute("SELECT coalesce(sum(bytes), 0) FROM plan_candidates WHERE selected").fetchone()[0]
+    return con.execute("SELECT coalesce(sum(bytes), 0) FROM plan_candidates WHERE selected").fetchall()[0][0]
 
 
 def selected_pairs(con: duckdb.DuckDBPyConnection) -> pa.Table:

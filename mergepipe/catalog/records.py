@@ -13,7 +13,7 @@ from .db import connect, sql_text
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
     con.execute("BEGIN")
     try:
-        exists = con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchone()
+        exists = con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchall()
         if not exists:
             con.register("new_plan", pa.Table.from_pylist([plan_row]))
             con.register("new_plan_experts", pa.Table.from_pylist(experts))

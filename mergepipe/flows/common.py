@@ -77,14 +77,18 @@ def execute_plan(
     overwrite: bool,
     catalog: str | None,
     kind: str,
-    ledger: ByteLedger,
+    index_ledger: ByteLedger,
     timings: dict,
     started_at: str,
     t0: float,
     expected_digest: str | None = None,
 ) -> dict:
-    """Stage, merge every layer group as its own task, hash, write the manifest, publish."""
+    """Stage, merge every layer group as its own task, hash, write the manifest, publish.
+
+    The execution ledger is kept apart from the index ledger (headers, and statistics of
+    experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     _, layout = _load(plan_dir)
+    ledger = ByteLedger()
     staging = stage_output(plan_dir, str(out))
     rep = progress.reporter()
     try:
@@ -115,6 +119,7 @@ def execute_plan(
             "spec": plan.spec,
             "bytes": ledger.by_role(),
             "ledger": ledger.rows(),
+            "index_bytes": index_ledger.by_role(),
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
             "timings": timings,
@@ -138,7 +143,7 @@ def execute_plan(
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
             "base_bytes_read": ledger.total("base"),
-            "header_bytes_read": ledger.total("header"),
+            "header_bytes_read": index_ledger.total("header"),
             "output_bytes_written": ledger.total("output"),
             "flow_run_id": flow_run_id(),
         },
@@ -156,6 +161,7 @@ def execute_plan(
         "expert_bytes_planned": plan.expert_bytes_planned,
         "expert_bytes_read": expert_read,
         "bytes": ledger.by_role(),
+        "index_bytes": index_ledger.by_role(),
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
         "pairs": plan.n_pairs,

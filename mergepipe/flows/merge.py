@@ -62,5 +62,5 @@ def merge(
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
     return execute_plan(
         p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="merge",
-        ledger=outcome.ledger, timings=timings, started_at=started, t0=t0,
+        index_ledger=outcome.ledger, timings=timings, started_at=started, t0=t0,
     )

@@ -48,10 +48,10 @@ def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None
     )
     if p.plan_digest != plan_content["plan_digest"]:
         raise BadInput(f"{m_dir / MANIFEST_FILE}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}")
-    plan_dir = plans_dir(p.plan_digest)
+    plan_dir = plans_dir(p)
     p.save(plan_dir)
     return execute_plan(
         p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="replay",
-        ledger=outcome.ledger, timings={"index": outcome.seconds}, started_at=started, t0=t0,
+        index_ledger=outcome.ledger, timings={"index": outcome.seconds}, started_at=started, t0=t0,
         expected_digest=recorded["digest"],
     )

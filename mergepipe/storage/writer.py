@@ -25,7 +25,7 @@ def check_destination(out: str | Path, overwrite: bool, inputs: list[str]) -> Pa
         if "://" in uri:
             continue
         root = Path(uri).resolve()
-        root = root if root.is_dir() else root.parent
+        root = root.parent if root.is_file() else root
         if out == root or root in out.parents:
             raise BadInput(f"{out}: output folder lies inside the input model folder {root}")
     if out.exists() and not overwrite:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from ..canonical import digest_of
 from ..catalog import db, planner, records
 from ..errors import MergepipeError
 from ..family import Family
@@ -13,8 +14,12 @@ from ..planning import Plan, build_plan, error_bound, full_expert_bytes
 from ..spec import MergeSpec, resolve_params
 
 
-def plans_dir(digest: str) -> str:
-    return str(db.home() / "plans" / digest)
+def plans_dir(plan: Plan) -> str:
+    """Where a plan is saved for its tasks. The digest identifies content only, so the folder
+    also keys on the inputs' locations and fingerprints: the same plan over another copy of the
+    family must not share (or overwrite) this one's file."""
+    where = digest_of([[i.uri, i.model_fp] for i in plan.inputs])
+    return str(db.home() / "plans" / f"{plan.plan_digest[:24]}-{where[:12]}")
 
 
 @task(name="plan-merge", cache_policy=NO_CACHE)
@@ -50,6 +55,6 @@ def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog
             access.select(["expert", "tensor", "block", "bytes", "score"]),
         )
         explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
-    folder = plans_dir(plan.plan_digest)
+    folder = plans_dir(plan)
     plan.save(folder)
     return plan, explain, folder

@@ -1,0 +1,57 @@
+"""Test session set-up: isolated homes, one Prefect harness per session, shared families."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+_SESSION_TMP = Path(tempfile.mkdtemp(prefix="mergepipe-tests-"))
+# Before anything imports prefect: never touch ~/.prefect or ~/.mergepipe.
+os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
+os.environ["MERGEPIPE_HOME"] = str(_SESSION_TMP / "mergepipe-home")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+
+import pytest  # noqa: E402
+
+from mergepipe.synthetic import FamilyPaths, make_family  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def prefect_backend():
+    """One Prefect API for the whole session: the server .ci/run started (PREFECT_API_URL),
+    or a test harness."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield
+        return
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="session")
+def session_dir() -> Path:
+    return _SESSION_TMP
+
+
+@pytest.fixture(scope="session")
+def bf16_family(session_dir) -> FamilyPaths:
+    """bf16 matrices + fp32 norms, 2 shards, tied embeddings, 2 dense experts and 1 LoRA-style."""
+    return make_family(session_dir / "fam-bf16", experts=("dense", "dense", "lora"), n_layers=3, hidden=64,
+                       intermediate=128, vocab=256, dtype="bfloat16", shards=2, seed=1)
+
+
+@pytest.fixture(scope="session")
+def fp32_family(session_dir) -> FamilyPaths:
+    """All-fp32, 3 shards."""
+    return make_family(session_dir / "fam-fp32", experts=("dense", "lora", "dense"), n_layers=2, hidden=48,
+                       intermediate=96, vocab=128, dtype="float32", shards=3, seed=2)
+
+
+@pytest.fixture(scope="session")
+def session_catalog(session_dir) -> str:
+    return str(session_dir / "catalog.duckdb")

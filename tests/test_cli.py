@@ -1,0 +1,103 @@
+"""The command line: exit codes, one-line errors that name the culprit, the --json contract."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mergepipe.cli import app
+
+from .helpers import config_for
+
+runner = CliRunner()
+CONTRACT = {"digest", "out", "manifest", "budget_bytes", "expert_bytes_planned", "expert_bytes_read", "error_bound", "wall_seconds"}
+
+
+def test_merge_json_contract_and_plan_explain(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--budget", "10%", "--json", "--catalog", session_catalog])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    assert CONTRACT <= set(result)
+    assert Path(result["manifest"]).exists()
+    assert result["expert_bytes_read"] == result["expert_bytes_planned"] <= result["budget_bytes"]
+
+    p = runner.invoke(app, ["plan", str(cfg), "--budget", "10%", "--json", "--catalog", session_catalog])
+    assert p.exit_code == 0, p.output
+    plan = json.loads(p.stdout)
+    assert plan["expert_bytes_planned"] == result["expert_bytes_planned"]
+    rows = plan["explain"]
+    assert {r["expert"] for r in rows} == {0, 1, 2}
+    assert sum(r["selected_bytes"] for r in rows) == plan["expert_bytes_planned"]
+    assert all(0 <= r["captured_energy"] <= r["delta_energy"] for r in rows)
+    table = runner.invoke(app, ["plan", str(cfg), "--max-error", str(plan["error_bound"]), "--catalog", session_catalog])
+    assert table.exit_code == 0 and "energy captured" in table.stdout
+
+    again = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", session_catalog])
+    assert again.exit_code == 2 and "already exists" in again.output
+    over = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--overwrite", "--json", "--catalog", session_catalog])
+    assert over.exit_code == 0, over.output
+
+
+def test_catalog_sql_is_read_only(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    assert runner.invoke(app, ["index", str(cfg), "--catalog", session_catalog]).exit_code == 0
+    r = runner.invoke(app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)[0]["n"] > 0
+    w = runner.invoke(app, ["catalog", "sql", "DELETE FROM block_stats", "--catalog", session_catalog])
+    assert w.exit_code == 2 and "read-only" in w.output.lower()
+    r2 = runner.invoke(app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog])
+    assert json.loads(r2.stdout) == json.loads(r.stdout)
+
+
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda c: c.replace("merge_method: task_arithmetic", "merge_method: frankenmerge"), "merge_method"),
+        (lambda c: c + "budgett: 10%\n", "budgett"),
+        (lambda c: c.replace("weight: 0.5", "weight: 0.5\n    density: 0"), "density"),
+        (lambda c: c + "block_size: huge\n", "block_size"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(mutate, expect, bf16_family, tmp_path):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    cfg.write_text(mutate(cfg.read_text()))
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2, r.output
+    assert expect in r.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_budget_flag_and_missing_model(bf16_family, tmp_path):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "o"), "--budget", "120%"])
+    assert r.exit_code == 2 and "120%" in r.output
+    cfg.write_text(cfg.read_text().replace(str(bf16_family.experts[1]), str(tmp_path / "nowhere")))
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "o"), "--catalog", str(tmp_path / "c.duckdb")])
+    assert r.exit_code == 2 and "nowhere" in r.output
+    assert not (tmp_path / "o").exists()
+    assert not list(tmp_path.glob(".o.mergepipe-staging-*"))
+
+
+def test_output_inside_an_input_is_refused(bf16_family, tmp_path):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(bf16_family.experts[0] / "merged")])
+    assert r.exit_code == 2 and "inside the input" in r.output
+
+
+def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: 1}\nfoo: 1\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = subprocess.run([sys.executable, "-m", "mergepipe.cli", "merge", str(cfg), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "foo: unknown key" in proc.stderr and "Traceback" not in proc.stderr
+    assert str(cfg) in proc.stderr

@@ -1,0 +1,80 @@
+"""Indexing reads each expert once; an unchanged family is never read again."""
+
+from __future__ import annotations
+
+import shutil
+
+import duckdb
+import pytest
+
+from mergepipe.errors import BadInput
+from mergepipe.flows.index_family import index_family
+from mergepipe.synthetic import FamilyPaths, make_family, write_config, write_model
+
+from .reference import load_model
+
+
+def test_reindex_reads_no_tensor_bytes_and_new_expert_indexes_only_itself(bf16_family, tmp_path):
+    catalog = str(tmp_path / "cat.duckdb")
+    two = FamilyPaths(bf16_family.base, bf16_family.experts[:2])
+    first = index_family(config=str(write_config(tmp_path / "two.yaml", two)), catalog=catalog)
+    assert len(first["indexed_now"]) == 2
+    assert first["bytes"]["expert"] == sum(data_bytes(e) for e in two.experts)
+    again = index_family(config=str(write_config(tmp_path / "two.yaml", two)), catalog=catalog)
+    assert again["indexed_now"] == [] and again["bytes"]["expert"] == 0 and again["bytes"]["base"] == 0
+    assert again["content_sha256"] == first["content_sha256"]
+    three = index_family(config=str(write_config(tmp_path / "three.yaml", bf16_family)), catalog=catalog)
+    assert three["indexed_now"] == [str(bf16_family.experts[2])]
+    assert three["bytes"]["expert"] == data_bytes(bf16_family.experts[2])
+    assert three["bytes"]["base"] == data_bytes(bf16_family.base)
+
+
+def data_bytes(folder) -> int:
+    """Tensor data bytes of a model: file sizes less the length prefix and header."""
+    return sum(p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little") for p in folder.glob("*.safetensors"))
+
+
+def test_catalog_views_answer_everyday_questions(bf16_family, tmp_path):
+    catalog = str(tmp_path / "cat.duckdb")
+    index_family(config=str(write_config(tmp_path / "c.yaml", bf16_family)), catalog=catalog)
+    con = duckdb.connect(catalog, read_only=True)
+    lora = str(bf16_family.experts[2])
+    changed = {r[0] for r in con.execute("SELECT tensor FROM changed_tensors WHERE expert = ?", [lora]).fetchall()}
+    assert changed and all(".q_proj." in t or ".v_proj." in t for t in changed)
+    layers = con.execute(
+        "SELECT layer, delta_energy FROM delta_energy_by_layer WHERE expert = ? ORDER BY layer", [str(bf16_family.experts[0])]
+    ).fetchall()
+    assert [layer for layer, _ in layers][:2] == ["embeddings", "layer.00000"]
+    energies = dict(layers)
+    # The dense generator grows deltas with depth.
+    assert energies["layer.00002"] > energies["layer.00000"] > 0
+    con.close()
+
+
+def test_changed_expert_is_reindexed(tmp_path):
+    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    catalog = str(tmp_path / "cat.duckdb")
+    cfg = write_config(tmp_path / "c.yaml", fam, weights=[1.0])
+    first = index_family(config=str(cfg), catalog=catalog)
+    tensors = load_model(fam.experts[0])
+    tensors["model.norm.weight"] = tensors["model.norm.weight"] + 0.5
+    shutil.rmtree(fam.experts[0])
+    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    second = index_family(config=str(cfg), catalog=catalog)
+    assert second["indexed_now"] == [str(fam.experts[0])]
+    assert second["content_sha256"]["expert-0"] != first["content_sha256"]["expert-0"]
+
+
+def test_family_mismatch_is_refused_before_reading_data(tmp_path):
+    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    tensors = load_model(fam.experts[0])
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:32].clone()
+    shutil.rmtree(fam.experts[0])
+    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    with pytest.raises(BadInput, match="model.layers.0.mlp.up_proj.weight"):
+        index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    shutil.rmtree(fam.experts[0])
+    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    with pytest.raises(BadInput, match="up_proj.weight.*missing"):
+        index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))

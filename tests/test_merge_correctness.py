@@ -1,0 +1,100 @@
+"""Full budget = full read, bit for bit; smaller budgets stay within the predicted bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from mergepipe.flows.merge import merge
+
+from .helpers import assert_bit_identical, config_for, frobenius_diff
+from .reference import load_model, reference_merge
+
+METHODS = ["linear", "task_arithmetic", "ties", "dare_linear", "dare_ties"]
+
+
+def _density(method):
+    return 0.5 if method in ("ties", "dare_linear", "dare_ties") else None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_full_budget_is_bit_identical_to_full_read_reference_bf16(method, bf16_family, tmp_path, session_catalog):
+    weights = [0.5, 0.3, 0.8]
+    cfg = config_for(tmp_path, bf16_family, method, weights=weights, density=_density(method),
+                     parameters={"lambda": 0.9} if method != "linear" else {}, seed=7)
+    result = merge(config=str(cfg), out=str(tmp_path / "out"), budget="100%", catalog=session_catalog)
+    expected = reference_merge(method, bf16_family.base, bf16_family.experts, weights,
+                               densities=[_density(method) or 1.0] * 3, lam=0.9 if method != "linear" else 1.0,
+                               seed=7, block_size=4096)
+    assert_bit_identical(tmp_path / "out", expected)
+    assert result["expert_bytes_read"] == result["expert_bytes_planned"] <= result["budget_bytes"]
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties", "dare_ties"])
+def test_full_budget_bit_identical_fp32_three_shards(method, fp32_family, tmp_path, session_catalog):
+    weights = [1.0, 0.7, 0.4]
+    cfg = config_for(tmp_path, fp32_family, method, weights=weights, density=_density(method), seed=3)
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    expected = reference_merge(method, fp32_family.base, fp32_family.experts, weights,
+                               densities=[_density(method) or 1.0] * 3, seed=3, block_size=4096)
+    assert_bit_identical(tmp_path / "out", expected)
+
+
+def test_out_dtype_is_applied(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    expected = reference_merge("task_arithmetic", bf16_family.base, bf16_family.experts, [0.5, 0.3, 0.8], out_dtype=None)
+    got = load_model(tmp_path / "out")
+    for name, t in got.items():
+        if expected[name].is_floating_point():
+            assert t.dtype.is_floating_point and t.dtype.itemsize == 4, name
+        else:
+            assert t.dtype == expected[name].dtype, name
+
+
+@pytest.mark.parametrize("method", ["linear", "task_arithmetic"])
+def test_error_within_bound_and_bound_shrinks_with_budget(method, bf16_family, tmp_path, session_catalog):
+    # fp32 output: the bound is on the merged fp32 values, before any cast to a narrower dtype.
+    cfg = config_for(tmp_path, bf16_family, method, out_dtype="float32")
+    full_out = tmp_path / "full"
+    full = merge(config=str(cfg), out=str(full_out), budget="100%", catalog=session_catalog)
+    assert full["error_bound"] == 0.0
+    theta_full = load_model(full_out)
+    bounds, measured = [], []
+    for pct in (5, 10, 25, 50):
+        out = tmp_path / f"b{pct}"
+        r = merge(config=str(cfg), out=str(out), budget=f"{pct}%", catalog=session_catalog)
+        assert r["bound_guaranteed"]
+        assert r["expert_bytes_read"] == r["expert_bytes_planned"] <= r["budget_bytes"]
+        err = frobenius_diff(load_model(out), theta_full)
+        # fp32 evaluation adds a few ulps per element on top of the exact-arithmetic bound.
+        assert err <= r["error_bound"] * (1 + 1e-5) + 1e-6, (pct, err, r["error_bound"])
+        assert err > 0
+        bounds.append(r["error_bound"])
+        measured.append(err)
+    assert all(a > b for a, b in zip(bounds, bounds[1:])), bounds
+
+
+def test_untouched_tensors_equal_base_and_lora_reads_only_its_projections(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    base = load_model(bf16_family.base)
+    got = load_model(tmp_path / "out")
+    for name in base:
+        if "norm" in name or name in ("model.logit_scale", "model.position_ids"):
+            assert got[name].dtype == base[name].dtype and bool((got[name] == base[name]).all()), name
+    import pyarrow.parquet as pq
+
+    access = pq.read_table(tmp_path / "out" / "mergepipe-access.parquet").to_pylist()
+    lora_tensors = {a["tensor"] for a in access if a["expert"] == 2}
+    assert lora_tensors and all(".q_proj." in t or ".v_proj." in t for t in lora_tensors)
+    assert not any("norm" in a["tensor"] for a in access)
+    # At full budget the LoRA expert's planned bytes are exactly its changed projections.
+    lora = load_model(bf16_family.experts[2])
+    changed = sum(lora[t].numel() * lora[t].element_size() for t in lora if not torch_equal(lora[t], base[t]))
+    plan_bytes = sum(a["bytes"] for a in access if a["expert"] == 2)
+    assert plan_bytes == changed
+    assert r["expert_bytes_planned"] < r["full_expert_bytes"]
+
+
+def torch_equal(a, b) -> bool:
+    return a.dtype == b.dtype and bool((a == b).all())

@@ -1,0 +1,86 @@
+"""The SQL planner against a plain-Python greedy on random statistics."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pyarrow as pa
+import pytest
+
+from mergepipe.catalog import db, planner
+from mergepipe.indexing import STATS_SCHEMA
+from mergepipe.planning import error_bound
+
+
+def _stats(seed: int, n_experts: int = 3, n_blocks: int = 150) -> pa.Table:
+    rng = random.Random(seed)
+    rows = []
+    for e in range(n_experts):
+        for b in range(n_blocks):
+            tensor = f"t{b % 7}"
+            nnz = 0 if rng.random() < 0.1 else 5
+            rows.append({
+                "expert_fp": f"fp{e}", "tensor": tensor, "block": b, "layer": "layer.00000", "row_start": 0,
+                "row_end": 1, "bytes": rng.choice([512, 1024, 4096, 4096, 4096, 3000]),
+                "delta_sq": 0.0 if nnz == 0 else rng.random() ** 3, "max_abs_delta": 0.0, "nnz_delta": nnz,
+                "content_hash": "x",
+            })
+    return pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
+
+
+def _candidates(stats: pa.Table, coefs: list[float]) -> list[tuple]:
+    out = []
+    for r in stats.to_pylist():
+        if r["nnz_delta"] == 0:
+            continue
+        e = int(r["expert_fp"][2:])
+        score = abs(coefs[e]) * math.sqrt(r["delta_sq"])
+        out.append((score / r["bytes"], e, r["tensor"], r["block"], r["bytes"], score))
+    out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
+    return out
+
+
+def _setup(tmp_path, stats, coefs):
+    con_cm = db.connect(tmp_path / "cat.duckdb")
+    con = con_cm.__enter__()
+    from mergepipe.catalog.ingest import ingest_stats
+
+    ingest_stats(con, "base", 4096, stats, {})
+    n = planner.rank_candidates(con, "base", 4096, [(i, f"fp{i}", c) for i, c in enumerate(coefs)])
+    return con_cm, con, n
+
+
+@pytest.mark.parametrize("seed,budget", [(1, 0), (2, 10_000), (3, 100_000), (4, 333_333), (5, 10**9)])
+def test_greedy_with_fill_matches_sequential_python(tmp_path, seed, budget):
+    stats, coefs = _stats(seed), [0.5, -1.5, 0.25]
+    cm, con, n = _setup(tmp_path, stats, coefs)
+    try:
+        chosen_bytes = planner.select_within_bytes(con, budget)
+        got = {(r["expert"], r["tensor"], r["block"]) for r in planner.selected_pairs(con).to_pylist()}
+    finally:
+        cm.__exit__(None, None, None)
+    expected, remaining = set(), budget
+    for _, e, t, b, nbytes, _ in _candidates(stats, coefs):
+        if nbytes <= remaining:
+            expected.add((e, t, b))
+            remaining -= nbytes
+    assert n == len(_candidates(stats, coefs))
+    assert got == expected
+    assert chosen_bytes == budget - remaining <= budget
+
+
+def test_max_error_gives_the_shortest_prefix_within_the_target(tmp_path):
+    stats, coefs = _stats(9), [1.0, 0.5, 2.0]
+    cm, con, n = _setup(tmp_path, stats, coefs)
+    try:
+        full_bound = planner.bound_if_first(con, 0)
+        target = full_bound / 4
+        planner.select_within_error(con, target, n)
+        selected = planner.selected_pairs(con)
+        k = selected.num_rows
+        assert 0 < k < n
+        assert error_bound(planner.omitted_pairs(con)) <= target * (1 + 1e-12)
+        assert planner.bound_if_first(con, k - 1) > target
+    finally:
+        cm.__exit__(None, None, None)

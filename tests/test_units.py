@@ -1,0 +1,127 @@
+"""Pure functions: sizes, budgets, blocks, layout, spec validation."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load as st_load
+
+from mergepipe.errors import BadInput
+from mergepipe.layout import block_rows, coalesce, layer_group
+from mergepipe.output_layout import plan_output
+from mergepipe.sizes import parse_budget, parse_size
+from mergepipe.spec import load_spec, resolve_params
+from mergepipe.storage.safetensors_format import build_header, parse_header
+
+
+def test_sizes_and_budgets():
+    assert parse_size("512MiB", key="k") == 512 * 2**20
+    assert parse_size("2GB", key="k") == 2 * 10**9
+    assert parse_size(1024, key="k") == 1024
+    assert parse_budget("10%").resolve(1000) == 100
+    assert parse_budget("100%").resolve(12345) == 12345
+    assert parse_budget(None).resolve(7) == 7
+    assert parse_budget("1KiB").resolve(10**9) == 1024
+    for bad in ("-5%", "-1MiB", "150%", "lots", "3.5"):
+        with pytest.raises(BadInput):
+            parse_budget(bad)
+
+
+def test_block_rows():
+    assert block_rows((), 4, 1024) == [(0, 1)]
+    assert block_rows((10,), 4, 8) == [(0, 10)]
+    assert block_rows((0, 5), 4, 8) == []
+    assert block_rows((10, 4), 4, 32) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    assert block_rows((3, 1000), 4, 16) == [(0, 1), (1, 2), (2, 3)]  # a row larger than a block is one block
+
+
+def test_coalesce_and_groups():
+    assert coalesce([(10, 20), (0, 10), (30, 40)]) == [(0, 20), (30, 40)]
+    assert layer_group("model.layers.3.mlp.up_proj.weight") == "layer.00003"
+    assert layer_group("encoder.layer.11.attention.self.query.weight") == "layer.00011"
+    assert layer_group("model.embed_tokens.weight") == "embeddings"
+    assert layer_group("lm_head.weight") == "head"
+    assert layer_group("model.norm.weight") == "other"
+
+
+def test_built_header_loads_with_safetensors():
+    entries = [("a", "BF16", (3, 2)), ("b", "F32", (4,)), ("s", "F32", ()), ("z", "F32", (0, 3))]
+    header, ranges = build_header(entries)
+    assert len(header) % 8 == 0
+    size = ranges[-1][1]
+    buf = bytearray(size)
+    buf[: len(header)] = header
+    tensors = st_load(bytes(buf))
+    assert tensors["a"].shape == (3, 2) and tensors["a"].dtype == torch.bfloat16
+    assert tensors["s"].shape == () and tensors["z"].shape == (0, 3)
+    parsed, meta = parse_header(header[8:], size, "mem")
+    assert meta == {"format": "pt"} and [t.name for t in parsed] == ["a", "b", "s", "z"]
+
+
+@pytest.mark.parametrize(
+    "body,match",
+    [
+        (b"not json", "not valid JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (json.dumps({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}).encode(), "needs 8"),
+        (json.dumps({"t": {"dtype": "Q4", "shape": [1], "data_offsets": [0, 1]}}).encode(), "unsupported dtype"),
+        (json.dumps({"t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 400]}}).encode(), "past the end"),
+    ],
+)
+def test_header_errors_name_the_problem(body, match):
+    with pytest.raises(BadInput, match=match):
+        parse_header(body, 8 + len(body) + 16, "x.safetensors")
+
+
+def test_output_shards_split_by_size():
+    entries = {f"model.layers.{i}.w": ("F32", (256,)) for i in range(4)}  # 1 KiB each
+    layout = plan_output(entries, 2048)
+    assert [s.name for s in layout.shards] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert list(layout.groups) == ["layer.00000", "layer.00001", "layer.00002", "layer.00003"]
+    one = plan_output(entries, 10**6)
+    assert [s.name for s in one.shards] == ["model.safetensors"]
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "c.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_spec_is_strict_and_errors_name_the_key(tmp_path):
+    good = "merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: 1.0, density: 0.5}\n"
+    spec = load_spec(_write(tmp_path, good))
+    assert spec.base_model == str((tmp_path / "b").resolve())
+    p = resolve_params(spec)
+    assert p.normalize is True and p.densities == (0.5,)
+    cases = {
+        good + "normalise: true\n": "normalise: unknown key",
+        good.replace("density: 0.5", "density: 1.5"): "density",
+        good.replace("density: 0.5", "densty: 0.5"): "densty: unknown key",
+        good.replace("ties", "frankenmerge"): "unknown merge_method",
+        "merge_method: ties\nbase_model: b\nmodels: []\n": "models",
+        good + "budget: 5%\nmax_error: 1.0\n": "not both",
+        good + "budget: -3%\n": "negative",
+        "merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n": None,
+    }
+    for text, match in cases.items():
+        if match is None:
+            with pytest.raises(BadInput, match=r"models\[0\]\.parameters\.weight"):
+                resolve_params(load_spec(_write(tmp_path, text)))
+        else:
+            with pytest.raises(BadInput, match=match):
+                load_spec(_write(tmp_path, text))
+    with pytest.raises(BadInput, match="not found"):
+        load_spec(tmp_path / "missing.yaml")
+    with pytest.raises(BadInput, match="not valid YAML"):
+        load_spec(_write(tmp_path, "a: [1, 2"))
+
+
+def test_declared_header_over_limit_is_rejected_unallocated():
+    from mergepipe.storage.safetensors_format import header_length
+
+    with pytest.raises(BadInput, match="exceeds"):
+        header_length(struct.pack("<Q", 200 * 2**20), 10**10, "big.safetensors")
