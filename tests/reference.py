@@ -71,9 +71,13 @@ def den_of(weights):
     return 1.0 if abs(d) < 1e-8 else d
 
 
-def merge_tensor(method, name, base, experts, weights, densities, lam, normalize, rescale, seed, base_dtype, block_size):
-    b = base.float()
-    xs = [x.float() for x in experts]
+def merge_tensor(method, name, base, experts, weights, densities, lam, normalize, rescale, seed, base_dtype, block_size,
+                 compute_dtype=None):
+    def load(t):
+        return (t.to(compute_dtype) if compute_dtype is not None else t).float()
+
+    b = load(base)
+    xs = [load(x) for x in experts]
     if method == "linear":
         acc = torch.zeros_like(b)
         for w, x in zip(weights, xs):
@@ -120,7 +124,8 @@ DEFAULTS = {  # (normalize, rescale) per method, mergekit 0.1.5
 }
 
 
-def reference_merge(method, base_dir, expert_dirs, weights, densities=None, lam=1.0, seed=0, block_size=2**20, out_dtype=None):
+def reference_merge(method, base_dir, expert_dirs, weights, densities=None, lam=1.0, seed=0, block_size=2**20, out_dtype=None,
+                    compute_dtype=None):
     base = load_model(base_dir)
     experts = [load_model(e) for e in expert_dirs]
     densities = densities or [1.0] * len(expert_dirs)
@@ -131,6 +136,6 @@ def reference_merge(method, base_dir, expert_dirs, weights, densities=None, lam=
             out[name] = t
             continue
         merged = merge_tensor(method, name, t, [e[name] for e in experts], weights, densities, lam, normalize, rescale,
-                              seed, t.dtype, block_size)
-        out[name] = merged.to(out_dtype or t.dtype)
+                              seed, t.dtype, block_size, compute_dtype)
+        out[name] = merged.to(out_dtype or compute_dtype or t.dtype)
     return out

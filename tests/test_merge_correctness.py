@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pyarrow.parquet as pq
 import pytest
+import torch
 
 from mergepipe.flows.merge import merge
+from mergepipe.synthetic import FamilyPaths, write_model
 
 from .helpers import assert_bit_identical, config_for, frobenius_diff
 from .reference import load_model, reference_merge
@@ -82,8 +85,6 @@ def test_untouched_tensors_equal_base_and_lora_reads_only_its_projections(bf16_f
     for name in base:
         if "norm" in name or name in ("model.logit_scale", "model.position_ids"):
             assert got[name].dtype == base[name].dtype and bool((got[name] == base[name]).all()), name
-    import pyarrow.parquet as pq
-
     access = pq.read_table(tmp_path / "out" / "mergepipe-access.parquet").to_pylist()
     lora_tensors = {a["tensor"] for a in access if a["expert"] == 2}
     assert lora_tensors and all(".q_proj." in t or ".v_proj." in t for t in lora_tensors)
@@ -98,3 +99,30 @@ def test_untouched_tensors_equal_base_and_lora_reads_only_its_projections(bf16_f
 
 def torch_equal(a, b) -> bool:
     return a.dtype == b.dtype and bool((a == b).all())
+
+
+def test_expert_stored_in_another_dtype_is_costed_and_merged_in_its_own(bf16_family, tmp_path, session_catalog):
+    """Dtypes may differ across the family: an fp32 expert beside a bf16 base costs 4 bytes per
+    element and is read as fp32."""
+    tensors = load_model(bf16_family.experts[0])
+    g = torch.Generator().manual_seed(5)
+    wide = {k: (v.float() + 1e-5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() and v.dim() == 2 else v
+            for k, v in tensors.items()}
+    write_model(tmp_path / "wide", wide, shards=1, sidecars=False)
+    fam = FamilyPaths(bf16_family.base, [tmp_path / "wide", bf16_family.experts[2]])
+    cfg = config_for(tmp_path, fam, "task_arithmetic", weights=[0.6, 0.4])
+    r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    expected = reference_merge("task_arithmetic", fam.base, fam.experts, [0.6, 0.4])
+    assert_bit_identical(tmp_path / "out", expected)
+    access = pq.read_table(tmp_path / "out" / "mergepipe-access.parquet").to_pylist()
+    wide_bytes = sum(a["bytes"] for a in access if a["expert"] == 0)
+    assert wide_bytes == sum(v.numel() * 4 for v in wide.values() if v.is_floating_point() and v.dim() == 2)
+    assert r["expert_bytes_read"] == r["expert_bytes_planned"]
+
+
+def test_config_dtype_rounds_inputs_and_sets_the_output_dtype(fp32_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, fp32_family, "task_arithmetic", weights=[1.0, 0.5, 0.5], dtype="bfloat16")
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    expected = reference_merge("task_arithmetic", fp32_family.base, fp32_family.experts, [1.0, 0.5, 0.5],
+                               compute_dtype=torch.bfloat16)
+    assert_bit_identical(tmp_path / "out", expected)
