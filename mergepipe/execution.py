@@ -13,6 +13,7 @@ import torch
 
 from .layout import block_rows, byte_range, coalesce
 from .operators import TensorContext, get_operator
+from .operators.params import as_rows
 from .output_layout import OutputLayout, plan_output
 from .planning import Plan, output_dtype
 from .storage.ledger import ByteLedger
@@ -29,10 +30,6 @@ def output_layout_of(plan: Plan) -> OutputLayout:
         for name, (_, dtype, shape, _) in base.tensors.items()
     }
     return plan_output(entries, plan.merge_spec().out_shard_size_bytes)
-
-
-def _as_rows(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(t.shape[0], -1) if t.dim() >= 1 else t.reshape(1, 1)
 
 
 def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
@@ -115,7 +112,7 @@ class GroupMerger:
         ranges = [byte_range(start, shape, itemsize, r0, r1) for r0, r1 in row_runs]
         raws = self.reader.read_many(self._path(k + 1, file), ranges, role="expert", model=inp.role, file=file)
         x = base.clone()
-        rows = _as_rows(x)
+        rows = as_rows(x)
         width = rows.shape[1]
         for (r0, r1), raw in zip(row_runs, raws):
             part = decode(raw, dtype, (r1 - r0, width))

@@ -1,7 +1,7 @@
 """Small synthetic checkpoint families (for the demo and the tests).
 
 Llama-shaped names, bf16 matrices and fp32 norms, tied embeddings (no lm_head), an int64
-buffer and a 0-d scalar, sharded with an index json. Experts are fine-tune-like: dense
+buffer, a 0-d scalar and a zero-size tensor, sharded with an index json. Experts are fine-tune-like: dense
 low-rank-plus-noise deltas whose size varies by layer, norms left untouched, or LoRA-style
 deltas in a few attention projections only."""
 
@@ -41,6 +41,7 @@ def base_tensors(n_layers: int, hidden: int, intermediate: int, vocab: int, dtyp
         t[p + "post_attention_layernorm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.01
     t["model.norm.weight"] = 1 + torch.randn(hidden, generator=g) * 0.01
     t["model.logit_scale"] = torch.tensor(1.0)  # 0-d scalar
+    t["model.unused_bias"] = torch.zeros(0, hidden)  # zero-size
     t["model.position_ids"] = torch.arange(32, dtype=torch.int64).reshape(1, 32)  # non-float buffer
     return t
 

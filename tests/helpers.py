@@ -31,6 +31,6 @@ def assert_bit_identical(out_dir: Path, expected: dict[str, torch.Tensor]) -> No
     for k in expected:
         assert got[k].dtype == expected[k].dtype, k
         assert got[k].shape == expected[k].shape, k
-        a = got[k].contiguous().reshape(-1).view(torch.uint8) if got[k].numel() and got[k].dim() else got[k].reshape(1).view(torch.uint8)
-        b = expected[k].contiguous().reshape(-1).view(torch.uint8) if expected[k].numel() and expected[k].dim() else expected[k].reshape(1).view(torch.uint8)
+        a = got[k].contiguous().reshape(-1).view(torch.uint8)
+        b = expected[k].contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(a, b), f"{k}: bytes differ"

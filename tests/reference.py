@@ -91,7 +91,7 @@ def merge_tensor(method, name, base, experts, weights, densities, lam, normalize
             tau = tau * topk_mask(tau, d).float()
             if rescale:
                 tau = l1_rescale(x - b, tau)
-        elif method.startswith("dare") and d < 1.0:
+        elif method.startswith("dare") and d < 1.0 and tau.numel():
             kept = tau * dare_mask(tau, d, seed, i, name, base_dtype, block_size).float()
             tau = l1_rescale(x - b, kept) if rescale else kept
         deltas.append(tau * weights[i])

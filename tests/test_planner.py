@@ -46,7 +46,7 @@ def _setup(tmp_path, stats, coefs):
     con = con_cm.__enter__()
     from mergepipe.catalog.ingest import ingest_stats
 
-    ingest_stats(con, "base", 4096, stats, {})
+    ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, {})
     n = planner.rank_candidates(con, "base", 4096, [(i, f"fp{i}", c) for i, c in enumerate(coefs)])
     return con_cm, con, n
 
@@ -84,3 +84,30 @@ def test_max_error_gives_the_shortest_prefix_within_the_target(tmp_path):
         assert planner.bound_if_first(con, k - 1) > target
     finally:
         cm.__exit__(None, None, None)
+
+
+def test_catalog_writers_wait_for_the_lock_then_time_out_clearly(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from mergepipe.errors import MergepipeError
+
+    path = tmp_path / "cat.duckdb"
+    hold = "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(float(sys.argv[2]))"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path), "3"], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    t0 = time.monotonic()
+    with db.connect(path, timeout=60) as con:
+        assert con.execute("SELECT count(*) FROM block_stats").fetchall() == [(0,)]
+    assert time.monotonic() - t0 > 0.5  # it waited for the other process instead of failing
+    holder.wait()
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path), "20"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(MergepipeError, match="locked by another process"):
+            with db.connect(path, timeout=1):
+                pass
+    finally:
+        holder.kill()
+        holder.wait()

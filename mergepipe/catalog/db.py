@@ -17,6 +17,24 @@ from ..errors import MergepipeError
 LOCK_TIMEOUT_S = float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
 
 
+@contextmanager
+def transaction(con: duckdb.DuckDBPyConnection, **tables) -> Iterator[duckdb.DuckDBPyConnection]:
+    """BEGIN … COMMIT (ROLLBACK on any error), with Arrow tables registered as views for the
+    duration, so bulk inserts read them by name."""
+    for name, table in tables.items():
+        con.register(name, table)
+    con.execute("BEGIN")
+    try:
+        yield con
+        con.execute("COMMIT")
+    except BaseException:
+        con.execute("ROLLBACK")
+        raise
+    finally:
+        for name in tables:
+            con.unregister(name)
+
+
 def home() -> Path:
     return Path(os.environ.get("MERGEPIPE_HOME", "~/.mergepipe")).expanduser()
 

@@ -8,6 +8,7 @@ import pyarrow as pa
 from ..family import Family, model_fingerprint
 from ..layout import layer_group
 from ..storage.model_files import ModelFiles
+from .db import transaction
 
 
 def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Table]:
@@ -45,24 +46,13 @@ def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Tabl
 def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
     """Record every model's files and tensor table (idempotent: keyed by fingerprint)."""
     models, files, tensors = _model_tables([family.base, *family.experts])
-    con.execute("BEGIN")
-    try:
-        con.register("new_models", models)
-        con.register("new_files", files)
-        con.register("new_tensors", tensors)
+    with transaction(con, new_models=models, new_files=files, new_tensors=tensors):
         con.execute(
             "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
             "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
         )
         con.execute("INSERT OR IGNORE INTO model_files SELECT * FROM new_files")
         con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
-    finally:
-        for name in ("new_models", "new_files", "new_tensors"):
-            con.unregister(name)
 
 
 def indexed_experts(con: duckdb.DuckDBPyConnection, base_fp: str, expert_fps: list[str], block_size: int) -> set[str]:
@@ -83,16 +73,19 @@ def content_digests(con: duckdb.DuckDBPyConnection, fps: list[str]) -> dict[str,
 
 
 def ingest_stats(
-    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, stats: pa.Table, content: dict[str, str]
+    con: duckdb.DuckDBPyConnection,
+    base_fp: str,
+    block_size: int,
+    expert_fps: list[str],
+    stats: pa.Table,
+    content: dict[str, str],
 ) -> None:
-    """All statistics of the indexed experts in one transaction, with their stat_sets rows."""
-    con.execute("BEGIN")
-    try:
-        con.register("new_stats", stats)
+    """All statistics of the indexed experts in one transaction, with their stat_sets rows (an
+    expert with no float blocks still gets one, so it counts as indexed)."""
+    with transaction(con, new_stats=stats):
         con.execute(
-            "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? "
-            "AND expert_fp IN (SELECT DISTINCT expert_fp FROM new_stats)",
-            [base_fp, block_size],
+            "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? AND list_contains(?, expert_fp)",
+            [base_fp, block_size, expert_fps],
         )
         con.execute(
             "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, layer, row_start, row_end, "
@@ -103,21 +96,7 @@ def ingest_stats(
             con.execute("UPDATE models SET content_sha256 = ? WHERE model_fp = ?", [digest, fp])
         con.execute(
             "INSERT OR REPLACE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq) "
-            "SELECT ?, expert_fp, ?, count(*), sum(bytes), sum(delta_sq) FROM new_stats GROUP BY expert_fp",
-            [base_fp, block_size],
-        )
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
-    finally:
-        con.unregister("new_stats")
-
-
-def mark_indexed_without_blocks(con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, expert_fps: list[str]) -> None:
-    """Experts with no float blocks at all still get a (empty) stat set, so they count as indexed."""
-    for fp in expert_fps:
-        con.execute(
-            "INSERT OR IGNORE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq) VALUES (?, ?, ?, 0, 0, 0)",
-            [base_fp, fp, block_size],
+            "SELECT ?, e.fp, ?, count(s.expert_fp), coalesce(sum(s.bytes), 0), coalesce(sum(s.delta_sq), 0) "
+            "FROM (SELECT unnest(?::VARCHAR[]) AS fp) e LEFT JOIN new_stats s ON s.expert_fp = e.fp GROUP BY e.fp",
+            [base_fp, block_size, expert_fps],
         )

@@ -7,40 +7,26 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from .db import connect, sql_text
+from .db import connect, sql_text, transaction
 
 
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
-    con.execute("BEGIN")
-    try:
-        exists = con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchall()
-        if not exists:
-            con.register("new_plan", pa.Table.from_pylist([plan_row]))
-            con.register("new_plan_experts", pa.Table.from_pylist(experts))
-            con.register("new_access", access)
-            con.execute(
-                "INSERT INTO plans (plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, "
-                "full_expert_bytes, planned_bytes, error_bound, bound_guaranteed, n_pairs) "
-                "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
-                "planned_bytes, error_bound, bound_guaranteed, n_pairs FROM new_plan"
-            )
-            con.execute(
-                "INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts"
-            )
-            con.execute(
-                "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
-                [plan_row["plan_digest"]],
-            )
-        con.execute("COMMIT")
-    except BaseException:
-        con.execute("ROLLBACK")
-        raise
-    finally:
-        for name in ("new_plan", "new_plan_experts", "new_access"):
-            try:
-                con.unregister(name)
-            except Exception:
-                pass
+    """Store a plan once (a plan digest identifies its content)."""
+    tables = dict(new_plan=pa.Table.from_pylist([plan_row]), new_plan_experts=pa.Table.from_pylist(experts), new_access=access)
+    with transaction(con, **tables):
+        if con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchall():
+            return
+        con.execute(
+            "INSERT INTO plans (plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, "
+            "full_expert_bytes, planned_bytes, error_bound, bound_guaranteed, n_pairs) "
+            "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
+            "planned_bytes, error_bound, bound_guaranteed, n_pairs FROM new_plan"
+        )
+        con.execute("INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts")
+        con.execute(
+            "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
+            [plan_row["plan_digest"]],
+        )
 
 
 def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, block_size: int) -> list[dict]:
@@ -50,8 +36,7 @@ def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, bloc
 
 
 def record_run(con: duckdb.DuckDBPyConnection, run: dict) -> None:
-    con.register("new_run", pa.Table.from_pylist([run]))
-    try:
+    with transaction(con, new_run=pa.Table.from_pylist([run])):
         con.execute(
             "INSERT OR REPLACE INTO runs (run_id, kind, plan_digest, merge_digest, out_uri, started_at, finished_at, "
             "wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
@@ -59,8 +44,6 @@ def record_run(con: duckdb.DuckDBPyConnection, run: dict) -> None:
             "finished_at, wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
             "output_bytes_written, flow_run_id FROM new_run"
         )
-    finally:
-        con.unregister("new_run")
 
 
 def record_manifest(con: duckdb.DuckDBPyConnection, merge_digest: str, out_uri: str, manifest_json: str) -> None:

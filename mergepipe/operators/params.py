@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+import torch
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D view, rows along dim 0 (a 0-d tensor is one row of one element), so row ranges of
+    blocks index it directly. Works for zero-size tensors, where reshape(n, -1) does not."""
+    if t.dim() == 0:
+        return t.reshape(1, 1)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
 @dataclass(frozen=True)

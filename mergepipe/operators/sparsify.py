@@ -11,7 +11,7 @@ import hashlib
 
 import torch
 
-from .params import TensorContext
+from .params import TensorContext, as_rows
 
 _RESCALE_EPS = 1e-7
 
@@ -24,7 +24,7 @@ def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
 
 def bernoulli_keep_mask(tau: torch.Tensor, density: float, expert: int, ctx: TensorContext) -> torch.Tensor:
     """Keep-mask with P(keep) = density, drawn block by block (rows of dim 0)."""
-    flat_rows = tau.reshape(tau.shape[0], -1) if tau.dim() >= 1 else tau.reshape(1, 1)
+    flat_rows = as_rows(tau)
     mask = torch.empty(flat_rows.shape, dtype=torch.bool)
     for b, (r0, r1) in enumerate(ctx.block_rows):
         g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, b))

@@ -51,5 +51,5 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 @task(name="ingest-block-stats", cache_policy=NO_CACHE)
 def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: str | None) -> None:
     with db.connect(catalog) as con:
-        ingest.ingest_stats(con, family.base_fp, block_size, result.stats, result.content)
-        ingest.mark_indexed_without_blocks(con, family.base_fp, block_size, [family.expert_fps()[i] for i in positions])
+        fps = family.expert_fps()
+        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.content)
