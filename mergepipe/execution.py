@@ -56,9 +56,7 @@ class GroupMerger:
         self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
 
     def _path(self, model_index: int, file: str) -> str:
-        inp = self.plan.inputs[model_index]
-        root = inp.uri if os.path.isdir(inp.uri) else os.path.dirname(inp.uri)
-        return os.path.join(root, file)
+        return os.path.join(self.plan.inputs[model_index].root, file)
 
     def run(self, group: str) -> int:
         names = self.layout.groups[group]

@@ -48,9 +48,8 @@ def write_output_files(plan: Plan, layout: OutputLayout, staging: Path, ledger: 
     manifest's `output` section."""
     write_file(staging / INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
-    base_root = Path(base.uri) if Path(base.uri).is_dir() else Path(base.uri).parent
     for name in base.sidecars:
-        copy_file(str(base_root / name), staging / name, ledger)
+        copy_file(str(Path(base.root) / name), staging / name, ledger)
     pq.write_table(plan.access, staging / ACCESS_FILE)
     shards = []
     for shard in layout.shards:

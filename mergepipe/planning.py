@@ -59,6 +59,7 @@ def error_bound(omitted: pa.Table) -> float:
 class InputModel:
     role: str  # "base" or "expert-<i>"
     uri: str
+    root: str  # the folder that shard names are relative to
     model_fp: str
     content_sha256: str
     files: dict[str, dict]  # shard -> {size, mtime_ns}
@@ -74,6 +75,7 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
             InputModel(
                 role=role,
                 uri=model.uri,
+                root=model.root,
                 model_fp=fp,
                 content_sha256=content[fp],
                 files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from prefect.futures import as_completed
+from prefect.futures import as_completed, wait
 
 from .. import progress
+from ..errors import MergepipeError
 from ..family import Family
 from ..manifest import MANIFEST_FILE, versions
 from ..planning import Plan
@@ -19,7 +20,7 @@ from ..spec import MergeSpec
 from ..storage import writer
 from ..storage.ledger import ByteLedger
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
-from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, _load
+from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, load_plan
 
 
 def worker_count() -> int:
@@ -46,13 +47,14 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
     ledger.merge(rows)
     bs = spec.block_size_bytes
     known, content = register_family(family, bs, catalog)
-    missing, seen = [], set(known)
+    # An expert needs its pass unless its statistics and content digest are both known; each
+    # distinct file set is read once even if the config lists it twice.
+    missing, seen = [], set()
     for i, fp in enumerate(family.expert_fps()):
-        if fp not in seen:
+        if (fp not in known or fp not in content) and fp not in seen:
             missing.append(i)
             seen.add(fp)
-    fps = [family.base_fp, *family.expert_fps()]
-    if missing or any(fp not in content for fp in fps):
+    if missing or family.base_fp not in content:
         result, rows = compute_block_stats(family, missing, bs)
         ledger.merge(rows)
         ingest_block_stats(family, missing, bs, result, catalog)
@@ -87,7 +89,7 @@ def execute_plan(
 
     The execution ledger is kept apart from the index ledger (headers, and statistics of
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
-    _, layout = _load(plan_dir)
+    _, layout = load_plan(plan_dir)
     ledger = ByteLedger()
     staging = stage_output(plan_dir, str(out))
     rep = progress.reporter()
@@ -101,6 +103,7 @@ def execute_plan(
                 ledger.merge(fut.result())
                 rep.advance("merge", 1)
         finally:
+            wait(futures)  # on failure, let running groups stop writing before staging goes
             rep.finish("merge")
         timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
@@ -108,6 +111,10 @@ def execute_plan(
         ledger.merge(rows)
         timings["finish"] = time.perf_counter() - t_finish
         expert_read = ledger.total("expert")
+        if expert_read != plan.expert_bytes_planned:
+            raise MergepipeError(
+                f"read {expert_read} expert bytes but the plan has {plan.expert_bytes_planned}; not publishing"
+            )
         run = {
             "kind": kind,
             "started_at": started_at,

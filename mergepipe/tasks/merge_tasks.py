@@ -20,14 +20,15 @@ from . import STORAGE_RETRIES
 
 
 @lru_cache(maxsize=4)
-def _load(plan_dir: str) -> tuple[Plan, OutputLayout]:
+def load_plan(plan_dir: str) -> tuple[Plan, OutputLayout]:
+    """A saved plan and its output layout, loaded once per process."""
     plan = Plan.load(plan_dir)
     return plan, output_layout_of(plan)
 
 
 @task(name="stage-output", cache_policy=NO_CACHE)
 def stage_output(plan_dir: str, out: str) -> str:
-    _, layout = _load(plan_dir)
+    _, layout = load_plan(plan_dir)
     staging = writer.new_staging_dir(Path(out))
     for shard in layout.shards:
         writer.create_shard(staging / shard.name, shard.header, shard.size)
@@ -37,13 +38,13 @@ def stage_output(plan_dir: str, out: str) -> str:
 @task(name="merge-layer-group", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def merge_layer_group(plan_dir: str, group: str, staging: str) -> list[dict]:
     """Merge one group of tensors into the staged output; returns the ledger rows."""
-    plan, layout = _load(plan_dir)
+    plan, layout = load_plan(plan_dir)
     return merge_group(plan, layout, group, Path(staging))
 
 
 @task(name="write-output-files", cache_policy=NO_CACHE)
 def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
-    plan, layout = _load(plan_dir)
+    plan, layout = load_plan(plan_dir)
     ledger = ByteLedger()
     output = write_output_files(plan, layout, Path(staging), ledger)
     return output, ledger.rows()
@@ -55,7 +56,7 @@ def publish_output(
 ) -> dict:
     """Write the manifest into staging and rename staging into place. With expected_digest
     (replay), a merge that does not reproduce it is never published."""
-    plan, _ = _load(plan_dir)
+    plan, _ = load_plan(plan_dir)
     manifest = build_manifest(plan, output, run)
     if expected_digest is not None and manifest["digest"] != expected_digest:
         raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
