@@ -158,10 +158,12 @@ def plan(
         return
     t = Table(title=f"plan {result['plan_digest'][:16]} ({result['merge_method']})")
     for col in ("layer", "expert", "selected", "of", "energy captured"):
-        t.add_column(col, justify="right" if col != "layer" else "left")
+        t.add_column(col, justify="left" if col in ("layer", "expert") else "right")
+    names = [Path(u).name for u in result["experts"]]
     for row in result["explain"]:
-        share = row["captured_energy"] / row["delta_energy"] if row["delta_energy"] else 1.0
-        t.add_row(row["layer"], str(row["expert"]), _mib(row["selected_bytes"]), _mib(row["expert_bytes"]), f"{share:.1%}")
+        share = f"{row['captured_energy'] / row['delta_energy']:.1%}" if row["delta_energy"] else "no delta"
+        who = f"{row['expert']} {names[row['expert']]}"
+        t.add_row(row["layer"], who, _mib(row["selected_bytes"]), _mib(row["expert_bytes"]), share)
     out_console.print(t)
     out_console.print(
         f"planned {_mib(result['expert_bytes_planned'])} of budget {_mib(result['budget_bytes'])} "

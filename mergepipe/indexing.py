@@ -104,6 +104,8 @@ def compute_stats(
             for i, model, fp in experts:
                 x, raw = _read_block(reader, model, expert_label(i), "expert", name, rows)
                 expert_hashers[i][name].update(raw)
+                if progress:
+                    progress(len(raw))
                 if not is_float:
                     if raw != base_raw:
                         raise BadInput(
@@ -125,8 +127,6 @@ def compute_stats(
                 cols["max_abs_delta"].append(mx)
                 cols["nnz_delta"].append(nnz)
                 cols["content_hash"].append(hashlib.blake2b(raw, digest_size=16).hexdigest())
-                if progress:
-                    progress(len(raw))
     result = StatsResult(pa.table(cols, schema=STATS_SCHEMA))
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in base_hashers.items()}, family.base)
     for i, model, fp in experts:

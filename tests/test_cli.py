@@ -27,6 +27,9 @@ def test_merge_json_contract_and_plan_explain(bf16_family, tmp_path, session_cat
     assert CONTRACT <= set(result)
     assert Path(result["manifest"]).exists()
     assert result["expert_bytes_read"] == result["expert_bytes_planned"] <= result["budget_bytes"]
+    history = runner.invoke(app, ["catalog", "sql", f"SELECT expert_bytes_read, out_uri FROM merge_history WHERE merge_digest = '{result['digest']}'",
+                                  "--json", "--catalog", session_catalog])
+    assert json.loads(history.stdout) == [{"expert_bytes_read": result["expert_bytes_read"], "out_uri": result["out"]}]
 
     p = runner.invoke(app, ["plan", str(cfg), "--budget", "10%", "--json", "--catalog", session_catalog])
     assert p.exit_code == 0, p.output
