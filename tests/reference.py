@@ -7,6 +7,7 @@ import hashlib
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 
@@ -59,8 +60,9 @@ def topk_mask(tau, density):
 
 
 def l1_rescale(orig, pruned):
-    a = float(orig.abs().double().sum())
-    b = float(pruned.abs().double().sum())
+    # fp64 pairwise sums (numpy), as the documented contract for the rescale factor.
+    a = float(np.abs(orig.numpy()).sum(dtype=np.float64))
+    b = float(np.abs(pruned.numpy()).sum(dtype=np.float64))
     if a < 1e-7 or b < 1e-7:
         return pruned
     return pruned * torch.tensor(a / b, dtype=torch.float32)

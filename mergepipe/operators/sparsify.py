@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 
+import numpy as np
 import torch
 
 from .params import TensorContext, as_rows
@@ -36,10 +37,11 @@ def bernoulli_keep_mask(tau: torch.Tensor, density: float, expert: int, ctx: Ten
 def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
     """Scale `pruned` so its L1 norm matches `original`'s (mergekit's RescaleNorm.l1).
 
-    Norms are summed in fp64 so the factor does not depend on how many threads summed them.
+    Norms are summed in fp64 by numpy's single-threaded pairwise sum, so the factor does not
+    depend on how many threads a machine has.
     """
-    n_orig = float(original.abs().sum(dtype=torch.float64))
-    n_pruned = float(pruned.abs().sum(dtype=torch.float64))
+    n_orig = float(np.abs(original.numpy()).sum(dtype=np.float64))
+    n_pruned = float(np.abs(pruned.numpy()).sum(dtype=np.float64))
     if n_orig < _RESCALE_EPS or n_pruned < _RESCALE_EPS:
         return pruned
     return pruned * torch.tensor(n_orig / n_pruned, dtype=pruned.dtype)
