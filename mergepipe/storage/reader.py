@@ -57,6 +57,8 @@ class RangeReader:
                     fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
                     raise BadInput(f"{path}: file not found") from None
+                except OSError as err:
+                    raise MergepipeError(f"{path}: cannot open ({err.strerror or err})") from err
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 self._fds[path] = fd
             return fd
@@ -75,7 +77,10 @@ class RangeReader:
             view = memoryview(buf)
             got = 0
             while got < len(buf):
-                n = os.preadv(fd, [view[got:]], start + got)
+                try:
+                    n = os.preadv(fd, [view[got:]], start + got)
+                except OSError as err:
+                    raise MergepipeError(f"{path}: read error at byte {start + got} ({err.strerror or err})") from err
                 if n == 0:
                     raise MergepipeError(
                         f"{path}: short read at byte {start + got} (wanted {end - start} bytes from {start}); "

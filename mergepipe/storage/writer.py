@@ -44,20 +44,26 @@ def new_staging_dir(out: Path) -> Path:
 
 def create_shard(path: Path, header: bytes, size: int) -> None:
     """The shard file at its final size with its header in place; tensors are written later."""
-    with open(path, "wb") as f:
-        f.write(header)
-        f.truncate(size)
+    try:
+        with open(path, "wb") as f:
+            f.write(header)
+            f.truncate(size)
+    except OSError as err:
+        raise MergepipeError(f"{path}: cannot create output shard ({err.strerror or err})") from err
 
 
 def write_at(path: Path, offset: int, data: bytes, ledger: ByteLedger, *, model: str = "output") -> None:
-    fd = os.open(path, os.O_WRONLY)
     try:
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise MergepipeError(f"{path}: cannot write {len(data)} bytes at offset {offset} ({err.strerror or err})") from err
     ledger.add("output", model, path.name, len(data))
 
 

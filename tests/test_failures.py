@@ -1,0 +1,51 @@
+"""A failing layer task: retried when transient; when it stays broken, nothing is published."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mergepipe.errors import MergepipeError
+from mergepipe.flows import common
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.writer import write_at
+from mergepipe.flows.merge import merge
+from mergepipe.tasks import merge_tasks
+
+from .helpers import config_for
+
+
+def _flaky(monkeypatch, failures: int, group: str = "layer.00001"):
+    real = merge_tasks.merge_group
+    calls = {"n": 0}
+
+    def sometimes(plan, layout, g, staging):
+        if g == group and calls["n"] < failures:
+            calls["n"] += 1
+            # A real full-disk error (ENOSPC), as the writer reports it.
+            write_at(Path("/dev/full"), 0, b"x", ByteLedger())
+        return real(plan, layout, g, staging)
+
+    monkeypatch.setattr(merge_tasks, "merge_group", sometimes)
+    monkeypatch.setattr(common, "merge_layer_group",
+                        merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0))
+    return calls
+
+
+def test_a_transient_failure_is_retried_and_changes_nothing(bf16_family, tmp_path, session_catalog, monkeypatch):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    clean = merge(config=str(cfg), out=str(tmp_path / "clean"), budget="30%", catalog=session_catalog)
+    calls = _flaky(monkeypatch, failures=1)
+    retried = merge(config=str(cfg), out=str(tmp_path / "retried"), budget="30%", catalog=session_catalog)
+    assert calls["n"] == 1
+    assert retried["digest"] == clean["digest"]
+
+
+def test_a_persistent_failure_publishes_nothing_and_leaves_no_staging(bf16_family, tmp_path, session_catalog, monkeypatch):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    _flaky(monkeypatch, failures=10)
+    with pytest.raises(MergepipeError, match=r"/dev/full: cannot write .*No space left"):
+        merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
