@@ -42,7 +42,7 @@ def expert_files(family) -> list[Path]:
     return sorted(p for e in family.experts for p in e.glob("*.safetensors"))
 
 
-@pytest.mark.parametrize("budget", ["10%", "25%", "100%"])
+@pytest.mark.parametrize("budget", ["10%", "25%", "100%", "40KiB"])
 def test_realized_bytes_equal_planned_by_ledger_and_syscalls(budget, bf16_family, tmp_path, session_catalog, monkeypatch):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     index_family(config=str(cfg), catalog=session_catalog)  # statistics first: the merge then reads only its plan

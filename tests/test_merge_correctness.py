@@ -126,3 +126,28 @@ def test_config_dtype_rounds_inputs_and_sets_the_output_dtype(fp32_family, tmp_p
     expected = reference_merge("task_arithmetic", fp32_family.base, fp32_family.experts, [1.0, 0.5, 0.5],
                                compute_dtype=torch.bfloat16)
     assert_bit_identical(tmp_path / "out", expected)
+
+
+def test_max_error_target_is_met_and_holds(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
+    full = merge(config=str(cfg), out=str(tmp_path / "full"), catalog=session_catalog)
+    loose = merge(config=str(cfg), out=str(tmp_path / "loose"), budget="10%", catalog=session_catalog)
+    target = loose["error_bound"] / 2
+    r = merge(config=str(cfg), out=str(tmp_path / "target"), max_error=target, catalog=session_catalog)
+    assert 0 < r["error_bound"] <= target
+    assert loose["expert_bytes_planned"] < r["expert_bytes_planned"] < full["expert_bytes_planned"]
+    assert r["expert_bytes_read"] == r["expert_bytes_planned"]
+    err = frobenius_diff(load_model(tmp_path / "target"), load_model(tmp_path / "full"))
+    assert err <= r["error_bound"] * (1 + 1e-5) + 1e-6
+
+
+def test_models_given_as_single_files(bf16_family, tmp_path, session_catalog):
+    """A model may be one .safetensors file rather than a folder."""
+    single = []
+    for i, e in enumerate(bf16_family.experts[:2]):
+        write_model(tmp_path / f"single-{i}", load_model(e), shards=1, sidecars=False)
+        single.append(tmp_path / f"single-{i}" / "model.safetensors")
+    fam = FamilyPaths(bf16_family.base, single)
+    cfg = config_for(tmp_path, fam, "task_arithmetic", weights=[0.7, 0.2])
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert_bit_identical(tmp_path / "out", reference_merge("task_arithmetic", fam.base, [p.parent for p in single], [0.7, 0.2]))
