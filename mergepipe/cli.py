@@ -26,8 +26,8 @@ from .errors import BadInput, MergepipeError
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Budget-aware merging of checkpoint families.")
 catalog_app = typer.Typer(no_args_is_help=True, help="Query the catalog.")
 app.add_typer(catalog_app, name="catalog")
-out_console = Console()
-err_console = Console(stderr=True)
+out_console = Console(soft_wrap=True)
+err_console = Console(stderr=True, soft_wrap=True)
 
 CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from typing import Protocol
 
 
@@ -52,30 +53,44 @@ class PlainReporter:
 
 
 class RichReporter:
+    """A live bar per stage on stderr: done/total in the stage's unit, rate, time left."""
+
     def __init__(self) -> None:
-        from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(),
-            TransferSpeedColumn(), TimeRemainingColumn(), transient=True,
+            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
+            TimeRemainingColumn(), transient=True, console=Console(stderr=True),
         )
-        self._tasks: dict[str, int] = {}
+        self._tasks: dict[str, tuple[int, str, float]] = {}
+        self._lock = threading.Lock()
 
     def start(self, stage: str, total: float, unit: str) -> None:
-        if not self._tasks:
-            self._progress.start()
-        self._tasks[stage] = self._progress.add_task(stage, total=total)
+        with self._lock:
+            if not self._tasks:
+                self._progress.start()
+            task = self._progress.add_task(stage, total=total, detail=_fmt(0, unit, total))
+            self._tasks[stage] = (task, unit, time.monotonic())
 
     def advance(self, stage: str, amount: float) -> None:
-        if stage in self._tasks:
-            self._progress.advance(self._tasks[stage], amount)
+        with self._lock:
+            if stage not in self._tasks:
+                return
+            task, unit, t0 = self._tasks[stage]
+            self._progress.advance(task, amount)
+            t = self._progress.tasks[self._progress.task_ids.index(task)]
+            rate = t.completed / max(time.monotonic() - t0, 1e-6)
+            speed = f"{rate / 2**20:.1f} MiB/s" if unit == "B" else f"{rate:.1f} {unit}/s"
+            self._progress.update(task, detail=f"{_fmt(t.completed, unit, t.total or 0)}, {speed}")
 
     def finish(self, stage: str) -> None:
-        task = self._tasks.pop(stage, None)
-        if task is not None:
-            self._progress.remove_task(task)
-        if not self._tasks:
-            self._progress.stop()
+        with self._lock:
+            entry = self._tasks.pop(stage, None)
+            if entry is not None:
+                self._progress.remove_task(entry[0])
+            if not self._tasks:
+                self._progress.stop()
 
 
 def _fmt(done: float, unit: str, total: float) -> str:
