@@ -30,14 +30,21 @@ STATS_SCHEMA = pa.schema(
         ("expert_fp", pa.string()),
         ("tensor", pa.string()),
         ("block", pa.int32()),
-        ("layer", pa.string()),
-        ("row_start", pa.int64()),
-        ("row_end", pa.int64()),
         ("bytes", pa.int64()),
         ("delta_sq", pa.float64()),
         ("max_abs_delta", pa.float64()),
         ("nnz_delta", pa.int64()),
         ("content_hash", pa.string()),
+    ]
+)
+BLOCKS_SCHEMA = pa.schema(
+    [
+        ("tensor", pa.string()),
+        ("block", pa.int32()),
+        ("layer", pa.string()),
+        ("row_start", pa.int64()),
+        ("row_end", pa.int64()),
+        ("base_bytes", pa.int64()),
     ]
 )
 
@@ -68,6 +75,7 @@ class StatsResult:
     """Statistics of the experts that were indexed, and the content digests learnt on the way."""
 
     stats: pa.Table
+    blocks: pa.Table  # the base's block layout
     content: dict[str, str] = field(default_factory=dict)  # model fingerprint -> content digest
 
 
@@ -92,6 +100,7 @@ def compute_stats(
 ) -> StatsResult:
     """Stream the base once and each listed expert once; return their block statistics."""
     cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
+    layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
     experts = [(i, family.experts[i], family.expert_fps()[i]) for i in expert_positions]
     base_hashers = {n: hashlib.sha256() for n in family.base.tensors}
     expert_hashers = {i: {n: hashlib.sha256() for n in family.base.tensors} for i, _, _ in experts}
@@ -105,6 +114,9 @@ def compute_stats(
         for b, rows in enumerate(blocks):
             base_t, base_raw = _read_block(reader, family.base, "base", "base", name, rows)
             base_hashers[name].update(base_raw)
+            if is_float:
+                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), rows[0], rows[1], len(base_raw))):
+                    layout[col].append(value)
             for i, model, fp in experts:
                 x, raw = _read_block(reader, model, expert_label(i), "expert", name, rows)
                 expert_hashers[i][name].update(raw)
@@ -123,15 +135,12 @@ def compute_stats(
                 cols["expert_fp"].append(fp)
                 cols["tensor"].append(name)
                 cols["block"].append(b)
-                cols["layer"].append(layer_group(name))
-                cols["row_start"].append(rows[0])
-                cols["row_end"].append(rows[1])
                 cols["bytes"].append(len(raw))
                 cols["delta_sq"].append(sq)
                 cols["max_abs_delta"].append(mx)
                 cols["nnz_delta"].append(nnz)
                 cols["content_hash"].append(hashlib.blake2b(raw, digest_size=16).hexdigest())
-    result = StatsResult(pa.table(cols, schema=STATS_SCHEMA))
+    result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in base_hashers.items()}, family.base)
     for i, model, fp in experts:
         result.content[fp] = content_digest({n: h.hexdigest() for n, h in expert_hashers[i].items()}, model)

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from mergepipe.catalog import db, planner
-from mergepipe.indexing import STATS_SCHEMA
+from mergepipe.indexing import BLOCKS_SCHEMA, STATS_SCHEMA
 from mergepipe.planning import error_bound
 
 
@@ -21,8 +21,8 @@ def _stats(seed: int, n_experts: int = 3, n_blocks: int = 150) -> pa.Table:
             tensor = f"t{b % 7}"
             nnz = 0 if rng.random() < 0.1 else 5
             rows.append({
-                "expert_fp": f"fp{e}", "tensor": tensor, "block": b, "layer": "layer.00000", "row_start": 0,
-                "row_end": 1, "bytes": rng.choice([512, 1024, 4096, 4096, 4096, 3000]),
+                "expert_fp": f"fp{e}", "tensor": tensor, "block": b,
+                "bytes": rng.choice([512, 1024, 4096, 4096, 4096, 3000]),
                 "delta_sq": 0.0 if nnz == 0 else rng.random() ** 3, "max_abs_delta": 0.0, "nnz_delta": nnz,
                 "content_hash": "x",
             })
@@ -46,7 +46,12 @@ def _setup(tmp_path, stats, coefs):
     con = con_cm.__enter__()
     from mergepipe.catalog.ingest import ingest_stats
 
-    ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, {})
+    blocks = pa.Table.from_pylist(
+        [{"tensor": f"t{b % 7}", "block": b, "layer": "layer.00000", "row_start": b, "row_end": b + 1, "base_bytes": 4096}
+         for b in range(stats.num_rows // 3)],
+        schema=BLOCKS_SCHEMA,
+    )
+    ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {})
     n = planner.rank_candidates(con, "base", 4096, [(i, f"fp{i}", c) for i, c in enumerate(coefs)])
     return con_cm, con, n
 

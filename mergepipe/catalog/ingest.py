@@ -78,17 +78,23 @@ def ingest_stats(
     block_size: int,
     expert_fps: list[str],
     stats: pa.Table,
+    blocks: pa.Table,
     content: dict[str, str],
 ) -> None:
-    """All statistics of the indexed experts in one transaction, with their stat_sets rows (an
-    expert with no float blocks still gets one, so it counts as indexed)."""
-    with transaction(con, new_stats=stats):
+    """All statistics of the indexed experts in one transaction, with the base's block layout
+    and their stat_sets rows (an expert with no float blocks still gets one, so it counts as
+    indexed)."""
+    with transaction(con, new_stats=stats, new_blocks=blocks):
+        con.execute(
+            "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes FROM new_blocks",
+            [base_fp, block_size],
+        )
         con.execute(
             "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? AND list_contains(?, expert_fp)",
             [base_fp, block_size, expert_fps],
         )
         con.execute(
-            "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, layer, row_start, row_end, "
+            "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, "
             "bytes, delta_sq, max_abs_delta, nnz_delta, content_hash FROM new_stats",
             [base_fp, block_size],
         )

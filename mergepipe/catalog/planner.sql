@@ -7,10 +7,11 @@
 -- Inputs: $base_fp, $block_size, and the registered table plan_experts_in(expert, expert_fp, coefficient).
 CREATE OR REPLACE TEMP TABLE plan_candidates AS
 WITH cand AS (
-    SELECT e.expert, s.tensor, s.block, s.layer, s.row_start, s.row_end, s.bytes, s.delta_sq,
+    SELECT e.expert, s.tensor, s.block, b.layer, b.row_start, b.row_end, s.bytes, s.delta_sq,
            abs(e.coefficient) * sqrt(s.delta_sq) AS score
     FROM block_stats s
     JOIN plan_experts_in e ON e.expert_fp = s.expert_fp
+    JOIN blocks b USING (base_fp, block_size, tensor, block)
     WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0 AND s.bytes > 0
 )
 SELECT row_number() OVER w AS rank,

@@ -44,15 +44,26 @@ CREATE TABLE IF NOT EXISTS stat_sets (
     PRIMARY KEY (base_fp, expert_fp, block_size)
 );
 
+-- The block layout of a base at a block size: runs of whole rows of each float tensor.
+CREATE TABLE IF NOT EXISTS blocks (
+    base_fp     VARCHAR NOT NULL,
+    block_size  BIGINT NOT NULL,
+    tensor      VARCHAR NOT NULL,
+    block       INTEGER NOT NULL,
+    layer       VARCHAR NOT NULL,
+    row_start   BIGINT NOT NULL,
+    row_end     BIGINT NOT NULL,
+    base_bytes  BIGINT NOT NULL,
+    PRIMARY KEY (base_fp, block_size, tensor, block)
+);
+
+-- Per (expert, block): bytes in the expert's own dtype, the delta's energy and reach.
 CREATE TABLE IF NOT EXISTS block_stats (
     base_fp        VARCHAR NOT NULL,
     expert_fp      VARCHAR NOT NULL,
     block_size     BIGINT NOT NULL,
     tensor         VARCHAR NOT NULL,
     block          INTEGER NOT NULL,
-    layer          VARCHAR NOT NULL,
-    row_start      BIGINT NOT NULL,
-    row_end        BIGINT NOT NULL,
     bytes          BIGINT NOT NULL,
     delta_sq       DOUBLE NOT NULL,
     max_abs_delta  DOUBLE NOT NULL,
@@ -122,7 +133,7 @@ CREATE TABLE IF NOT EXISTS manifests (
 
 -- Delta energy per expert per layer (per indexed base and block size).
 CREATE OR REPLACE VIEW delta_energy_by_layer AS
-SELECT m.uri AS expert, s.layer, s.block_size,
+SELECT m.uri AS expert, b.layer, s.block_size,
        sum(s.delta_sq) AS delta_energy,
        sqrt(sum(s.delta_sq)) AS delta_norm,
        sum(s.bytes) AS bytes,
@@ -130,18 +141,20 @@ SELECT m.uri AS expert, s.layer, s.block_size,
        count(*) AS blocks
 FROM block_stats s
 JOIN stat_sets ss USING (base_fp, expert_fp, block_size)
+JOIN blocks b USING (base_fp, block_size, tensor, block)
 JOIN models m ON m.model_fp = s.expert_fp
 GROUP BY ALL;
 
 -- Which tensors does each expert change, and by how much.
 CREATE OR REPLACE VIEW changed_tensors AS
-SELECT m.uri AS expert, s.tensor, s.layer, s.block_size,
+SELECT m.uri AS expert, s.tensor, b.layer, s.block_size,
        sqrt(sum(s.delta_sq)) AS delta_norm,
        max(s.max_abs_delta) AS max_abs_delta,
        sum(s.nnz_delta) AS changed_elements,
        sum(s.bytes) AS bytes
 FROM block_stats s
 JOIN stat_sets ss USING (base_fp, expert_fp, block_size)
+JOIN blocks b USING (base_fp, block_size, tensor, block)
 JOIN models m ON m.model_fp = s.expert_fp
 GROUP BY ALL
 HAVING sum(s.nnz_delta) > 0;

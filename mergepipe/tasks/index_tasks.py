@@ -52,4 +52,4 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: str | None) -> None:
     with db.connect(catalog) as con:
         fps = family.expert_fps()
-        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.content)
+        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.blocks, result.content)
