@@ -15,6 +15,7 @@ import duckdb
 from ..errors import MergepipeError
 
 LOCK_TIMEOUT_S = float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
+SCHEMA_VERSION = "1"
 
 
 @contextmanager
@@ -80,7 +81,24 @@ def connect(path: str | Path | None = None, *, read_only: bool = False, timeout:
             delay = min(delay * 2, 1.0)
     try:
         if not read_only:
-            con.execute(sql_text("schema.sql"))
+            _ensure_schema(con, path)
         yield con
     finally:
         con.close()
+
+
+def _ensure_schema(con: duckdb.DuckDBPyConnection, path: Path) -> None:
+    """Create the schema, or check that an existing catalog has this version's."""
+    con.execute("CREATE TABLE IF NOT EXISTS catalog_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+    found = con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall()
+    if found and found[0][0] != SCHEMA_VERSION:
+        raise MergepipeError(
+            f"{path}: catalog schema version {found[0][0]}, this mergepipe uses {SCHEMA_VERSION}; "
+            "use another catalog file (--catalog or MERGEPIPE_CATALOG)"
+        )
+    if not found:
+        tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        if "block_stats" in tables:
+            raise MergepipeError(f"{path}: catalog from an earlier development version; use another catalog file")
+    con.execute(sql_text("schema.sql"))
+    con.execute("INSERT OR IGNORE INTO catalog_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION])
