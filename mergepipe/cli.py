@@ -19,6 +19,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import BadInput, MergepipeError
@@ -34,16 +35,17 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of t
 
 
 def _fail(err: BaseException) -> None:
-    err_console.print(f"[red]error:[/red] {err}", highlight=False, markup=True, soft_wrap=True)
+    err_console.print(f"[red]error:[/red] {escape(str(err))}", highlight=False)
     raise typer.Exit(getattr(err, "exit_code", 1))
 
 
 def _unwrap(err: BaseException) -> BaseException:
     """Prefect may wrap a task's exception; find ours in the chain."""
-    seen = err
-    while seen is not None:
+    seen, visited = err, set()
+    while seen is not None and id(seen) not in visited:
         if isinstance(seen, MergepipeError):
             return seen
+        visited.add(id(seen))
         seen = seen.__cause__ or seen.__context__
     return err
 
@@ -67,7 +69,7 @@ def run_command(fn: Callable[[], Any]) -> Any:
         found = _unwrap(err)
         if isinstance(found, MergepipeError):
             _fail(found)
-        err_console.print(f"[red]error:[/red] {type(err).__name__}: {err}", highlight=False)
+        err_console.print(f"[red]error:[/red] {type(err).__name__}: {escape(str(err))}", highlight=False)
         raise typer.Exit(1)
     finally:
         progress.set_reporter(None)
@@ -235,7 +237,7 @@ def verify(out: Path, as_json: bool = JsonOpt) -> None:
         out_console.print(f"ok: {out} matches its manifest (digest {result.digest}, {_mib(result.checked_bytes)} hashed)")
     else:
         for p in result.problems:
-            err_console.print(f"[red]mismatch:[/red] {p}", highlight=False)
+            err_console.print(f"[red]mismatch:[/red] {escape(p)}", highlight=False)
     if not result.ok:
         raise typer.Exit(1)
 

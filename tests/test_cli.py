@@ -104,3 +104,21 @@ def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert "foo: unknown key" in proc.stderr and "Traceback" not in proc.stderr
     assert str(cfg) in proc.stderr
+
+
+def test_shape_mismatch_via_cli_names_the_tensor_and_shapes(tmp_path):
+    import shutil
+
+    from mergepipe.synthetic import make_family, write_config, write_model
+
+    from .reference import load_model
+
+    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    tensors = load_model(fam.experts[0])
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:16].clone()
+    shutil.rmtree(fam.experts[0])
+    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    cfg = write_config(tmp_path / "c.yaml", fam, weights=[1.0])
+    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", str(tmp_path / "c.duckdb")])
+    assert r.exit_code == 2
+    assert "'model.layers.0.mlp.up_proj.weight' has shape [16, 32], the base has [64, 32]" in r.output
