@@ -12,7 +12,7 @@ from .storage.safetensors_format import DTYPES
 
 
 def model_fingerprint(model: ModelFiles) -> str:
-    """Cheap identity of a model's files as they are now (location, sizes, mtimes).
+    """Cheap identity of a model's files as they are now (location, and each file's fingerprint).
 
     It keys cached statistics; content digests (SHA-256 of the tensor bytes) identify inputs
     in plans and manifests."""

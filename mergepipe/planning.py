@@ -62,7 +62,7 @@ class InputModel:
     root: str  # the folder that shard names are relative to
     model_fp: str
     content_sha256: str
-    files: dict[str, dict]  # shard -> {size, mtime_ns}
+    files: dict[str, dict]  # shard -> its fingerprint
     tensors: dict[str, list]  # name -> [file, dtype, shape, start]
     sidecars: list[str] = field(default_factory=list)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.synthetic import FamilyPaths, write_config
+from mergepipe.synthetic import FamilyPaths, make_family, write_config, write_model
 
 from .reference import load_model
 
@@ -34,3 +34,16 @@ def assert_bit_identical(out_dir: Path, expected: dict[str, torch.Tensor]) -> No
         a = got[k].contiguous().reshape(-1).view(torch.uint8)
         b = expected[k].contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(a, b), f"{k}: bytes differ"
+
+
+def tiny_family(root: Path) -> FamilyPaths:
+    """One dense expert, one layer, one shard: for tests that damage the expert."""
+    return make_family(root, experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+
+
+def replace_model(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 1) -> None:
+    """Rewrite a model folder in place with other tensors (new content, same location)."""
+    import shutil
+
+    shutil.rmtree(folder)
+    write_model(folder, tensors, shards=shards, sidecars=False)

@@ -107,17 +107,15 @@ def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_shape_mismatch_via_cli_names_the_tensor_and_shapes(tmp_path):
-    import shutil
+    from mergepipe.synthetic import write_config
 
-    from mergepipe.synthetic import make_family, write_config, write_model
-
+    from .helpers import replace_model, tiny_family
     from .reference import load_model
 
-    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    fam = tiny_family(tmp_path / "fam")
     tensors = load_model(fam.experts[0])
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:16].clone()
-    shutil.rmtree(fam.experts[0])
-    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    replace_model(fam.experts[0], tensors)
     cfg = write_config(tmp_path / "c.yaml", fam, weights=[1.0])
     r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", str(tmp_path / "c.duckdb")])
     assert r.exit_code == 2

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import shutil
-
 import duckdb
 import pytest
 
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
-from mergepipe.synthetic import FamilyPaths, make_family, write_config, write_model
+from mergepipe.synthetic import FamilyPaths, write_config
 
+from .helpers import replace_model, tiny_family
 from .reference import load_model
 
 
@@ -52,29 +51,26 @@ def test_catalog_views_answer_everyday_questions(bf16_family, tmp_path):
 
 
 def test_changed_expert_is_reindexed(tmp_path):
-    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    fam = tiny_family(tmp_path / "fam")
     catalog = str(tmp_path / "cat.duckdb")
     cfg = write_config(tmp_path / "c.yaml", fam, weights=[1.0])
     first = index_family(config=str(cfg), catalog=catalog)
     tensors = load_model(fam.experts[0])
     tensors["model.norm.weight"] = tensors["model.norm.weight"] + 0.5
-    shutil.rmtree(fam.experts[0])
-    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    replace_model(fam.experts[0], tensors)
     second = index_family(config=str(cfg), catalog=catalog)
     assert second["indexed_now"] == [str(fam.experts[0])]
     assert second["content_sha256"]["expert-0"] != first["content_sha256"]["expert-0"]
 
 
 def test_family_mismatch_is_refused_before_reading_data(tmp_path):
-    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64, shards=1)
+    fam = tiny_family(tmp_path / "fam")
     tensors = load_model(fam.experts[0])
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:32].clone()
-    shutil.rmtree(fam.experts[0])
-    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    replace_model(fam.experts[0], tensors)
     with pytest.raises(BadInput, match="model.layers.0.mlp.up_proj.weight"):
         index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))
     del tensors["model.layers.0.mlp.up_proj.weight"]
-    shutil.rmtree(fam.experts[0])
-    write_model(fam.experts[0], tensors, shards=1, sidecars=False)
+    replace_model(fam.experts[0], tensors)
     with pytest.raises(BadInput, match="up_proj.weight.*missing"):
         index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))

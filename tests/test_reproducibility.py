@@ -13,9 +13,9 @@ from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
 from mergepipe.manifest import MANIFEST_FILE, load_manifest, verify_output
-from mergepipe.synthetic import FamilyPaths, dense_expert, write_model
+from mergepipe.synthetic import FamilyPaths, dense_expert
 
-from .helpers import config_for
+from .helpers import config_for, replace_model
 from .reference import load_model
 
 
@@ -96,8 +96,7 @@ def test_replay_refuses_a_changed_input(bf16_family, tmp_path, session_catalog):
     merge(config=str(cfg), out=str(tmp_path / "out"), budget="20%", catalog=session_catalog)
     # Rewrite expert 1 with different content (same names and shapes).
     changed = dense_expert(load_model(fam.base), seed=999)
-    shutil.rmtree(fam.experts[1])
-    write_model(fam.experts[1], changed, shards=2, sidecars=False)
+    replace_model(fam.experts[1], changed, shards=2)
     result = CliRunner().invoke(app, ["replay", str(tmp_path / "out" / MANIFEST_FILE), "--out", str(tmp_path / "again"),
                                       "--catalog", session_catalog])
     assert result.exit_code == 2, result.output

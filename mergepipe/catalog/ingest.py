@@ -26,6 +26,7 @@ def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Tabl
         for shard, ffp in model.fingerprints.items():
             f_rows.append(
                 {"model_fp": fp, "file": shard, "size": ffp.size, "mtime_ns": ffp.mtime_ns,
+                 "ctime_ns": ffp.ctime_ns, "inode": ffp.inode,
                  "header_bytes": len(model.header_bytes.get(shard, b""))}
             )
         for name, loc in model.tensors.items():

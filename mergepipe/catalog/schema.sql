@@ -1,5 +1,6 @@
 -- mergepipe catalog. One file serves many families and merges.
--- Statistics are keyed by model fingerprints (location + file sizes + mtimes) and block size;
+-- Statistics are keyed by model fingerprints (location + each file's size, mtime, ctime, inode)
+-- and block size;
 -- a stat_sets row is written in the same transaction as its block_stats rows, and readers use
 -- only block_stats that have one, so a half-ingested expert is never planned against.
 
@@ -17,6 +18,8 @@ CREATE TABLE IF NOT EXISTS model_files (
     file      VARCHAR NOT NULL,
     size      BIGINT NOT NULL,
     mtime_ns  BIGINT NOT NULL,
+    ctime_ns  BIGINT NOT NULL,
+    inode     BIGINT NOT NULL,
     header_bytes BIGINT NOT NULL,
     PRIMARY KEY (model_fp, file)
 );

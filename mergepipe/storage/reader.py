@@ -17,11 +17,16 @@ from .ledger import ByteLedger
 
 @dataclass(frozen=True)
 class FileFingerprint:
+    """What says a local file may have changed. mtime alone can be set back (rsync -t, touch
+    -d); the inode and ctime change whenever the file is replaced or written."""
+
     size: int
     mtime_ns: int
+    ctime_ns: int
+    inode: int
 
     def as_json(self) -> dict:
-        return {"size": self.size, "mtime_ns": self.mtime_ns}
+        return {"size": self.size, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "inode": self.inode}
 
 
 def fingerprint(path: str) -> FileFingerprint:
@@ -29,7 +34,7 @@ def fingerprint(path: str) -> FileFingerprint:
         st = os.stat(path)
     except FileNotFoundError:
         raise BadInput(f"{path}: file not found") from None
-    return FileFingerprint(st.st_size, st.st_mtime_ns)
+    return FileFingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
 
 
 def read_small_file(path: str) -> bytes:
