@@ -177,7 +177,7 @@ def plan(
 @app.command()
 def merge(
     config: Path,
-    out: Path = typer.Option(..., "--out", help="Output folder (published atomically)."),
+    out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix (published atomically)."),
     budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
@@ -189,8 +189,10 @@ def merge(
     def go() -> dict:
         _budget_args(budget, max_error)
         spec = _check_config(config)
+        from .storage.location import set_storage_options
         from .storage.writer import check_destination
 
+        set_storage_options(spec.storage_options)
         check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
         from .flows.merge import merge as merge_flow
 
@@ -203,8 +205,8 @@ def merge(
 
 @app.command()
 def replay(
-    manifest: Path,
-    out: Path = typer.Option(..., "--out", help="Output folder."),
+    manifest: str = typer.Argument(..., help="A manifest file, or the output folder (or s3:// prefix) holding it."),
+    out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     catalog: Optional[Path] = CatalogOpt,
     as_json: bool = JsonOpt,
@@ -221,7 +223,7 @@ def replay(
 
 
 @app.command()
-def verify(out: Path, as_json: bool = JsonOpt) -> None:
+def verify(out: str = typer.Argument(..., help="Output folder or s3:// prefix."), as_json: bool = JsonOpt) -> None:
     """Re-hash an output against its manifest."""
 
     def go():

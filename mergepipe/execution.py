@@ -3,7 +3,6 @@ operator in fp32, and write the result at its precomputed place in the staged ou
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -17,7 +16,8 @@ from .operators.params import as_rows
 from .output_layout import OutputLayout, plan_output
 from .planning import Plan, output_dtype
 from .storage.ledger import ByteLedger
-from .storage.reader import RangeReader
+from .storage.location import join
+from .storage.reader import RangeReader, ReadRequest, stat
 from .storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
 from .storage.writer import write_at
 
@@ -56,7 +56,7 @@ class GroupMerger:
         self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
 
     def _path(self, model_index: int, file: str) -> str:
-        return os.path.join(self.plan.inputs[model_index].root, file)
+        return join(self.plan.inputs[model_index].root, file)
 
     def run(self, group: str) -> int:
         names = self.layout.groups[group]
@@ -72,50 +72,77 @@ class GroupMerger:
         return len(names)
 
     def _merge_tensor(self, name: str, wanted: dict) -> None:
-        base_in = self.plan.inputs[0]
-        file, dtype, shape, start = base_in.tensors[name]
+        """Fetch the base tensor and every expert's planned rows in one batch (concurrent on
+        object stores), then merge."""
+        file, dtype, shape, start = self.plan.inputs[0].tensors[name]
         shape = tuple(shape)
         dt = DTYPES[dtype]
-        nbytes = dt.itemsize
-        for s in shape:
-            nbytes *= s
         out = self.layout.tensors[name]
         out_path = self.staging / out.shard
-        raw = self.reader.read(self._path(0, file), start, start + nbytes, role="base", model="base", file=file)
+        requests = [ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)]
+        runs: dict[int, list[tuple[int, int]]] = {}
+        if dt.is_float:
+            for k in range(len(self.plan.inputs) - 1):
+                blocks = wanted.get((k, name))
+                if blocks:  # nothing planned: a zero delta, nothing read
+                    runs[k] = coalesce(sorted((r0, r1) for _, r0, r1 in blocks))
+                    requests.append(self._expert_request(k, name, runs[k]))
+        (raw,), *expert_raws = self.reader.read_batch(requests)
         if not dt.is_float:
             write_at(out_path, out.start, bytes(raw), self.ledger)
             return
         base = _compute(decode(raw, dtype, shape), self.compute_dtype)
-        experts = []
-        for k in range(len(self.plan.inputs) - 1):
-            blocks = wanted.get((k, name))
-            if not blocks:
-                experts.append(base)  # nothing planned: a zero delta
-                continue
-            experts.append(self._read_expert(k, name, base, sorted(blocks)))
+        fetched = dict(zip(runs, expert_raws))
+        experts = [
+            self._expert_tensor(k, name, base, runs[k], fetched[k]) if k in runs else base
+            for k in range(len(self.plan.inputs) - 1)
+        ]
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
         merged = self.op.merge(base, experts, self.params, ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
         write_at(out_path, out.start, data, self.ledger)
 
-    def _read_expert(self, k: int, name: str, base: torch.Tensor, blocks: list[tuple[int, int, int]]) -> torch.Tensor:
-        """The expert's tensor as the merge sees it: planned rows read, every other row the
-        base's (a zero delta). Adjacent planned blocks are fetched in one read."""
+    def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
+        """Adjacent planned blocks were coalesced into runs of rows: one range per run."""
         inp = self.plan.inputs[k + 1]
         file, dtype, shape, start = inp.tensors[name]
-        shape = tuple(shape)
         itemsize = DTYPES[dtype].itemsize
-        row_runs = coalesce([(r0, r1) for _, r0, r1 in blocks])
-        ranges = [byte_range(start, shape, itemsize, r0, r1) for r0, r1 in row_runs]
-        raws = self.reader.read_many(self._path(k + 1, file), ranges, role="expert", model=inp.role, file=file)
+        ranges = [byte_range(start, tuple(shape), itemsize, r0, r1) for r0, r1 in row_runs]
+        return ReadRequest(self._path(k + 1, file), ranges, "expert", inp.role, file)
+
+    def _expert_tensor(
+        self, k: int, name: str, base: torch.Tensor, row_runs: list[tuple[int, int]], raws: list[bytearray]
+    ) -> torch.Tensor:
+        """The expert's tensor as the merge sees it: planned rows read, every other row the
+        base's (a zero delta)."""
+        dtype = self.plan.inputs[k + 1].tensors[name][1]
         x = base.clone()
         rows = as_rows(x)
         width = rows.shape[1]
         for (r0, r1), raw in zip(row_runs, raws):
-            part = decode(raw, dtype, (r1 - r0, width))
-            rows[r0:r1] = _compute(part, self.compute_dtype)
+            rows[r0:r1] = _compute(decode(raw, dtype, (r1 - r0, width)), self.compute_dtype)
         return x
+
+
+def _nbytes(itemsize: int, shape: tuple[int, ...]) -> int:
+    n = itemsize
+    for s in shape:
+        n *= s
+    return n
+
+
+def changed_inputs(plan: Plan) -> list[str]:
+    """Input files whose fingerprint differs from the plan's: replaced or rewritten while the
+    merge ran (or since it was planned)."""
+    changed = []
+    for inp in plan.inputs:
+        for file, recorded in inp.files.items():
+            path = join(inp.root, file)
+            now = stat(path)
+            if now is None or now.as_json() != recorded:
+                changed.append(path)
+    return changed
 
 
 def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> list[dict]:

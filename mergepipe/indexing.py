@@ -1,4 +1,4 @@
-"""Block statistics: the one full pass over each expert, streamed block by block.
+"""Block statistics: the one full pass over each expert, streamed in runs of blocks.
 
 Per (expert, block): bytes, delta_sq = sum((x - b)^2) in fp64, max |delta|, the number of
 elements that differ (as values, or as signed zeros), and the block's content hash. The same
@@ -22,7 +22,7 @@ from .errors import BadInput
 from .family import Family, expert_label
 from .layout import block_rows, byte_range, layer_group
 from .storage.model_files import ModelFiles
-from .storage.reader import RangeReader
+from .storage.reader import RangeReader, ReadRequest
 from .storage.safetensors_format import DTYPES, decode
 
 STATS_SCHEMA = pa.schema(
@@ -79,15 +79,35 @@ class StatsResult:
     content: dict[str, str] = field(default_factory=dict)  # model fingerprint -> content digest
 
 
-def _read_block(
-    reader: RangeReader, model: ModelFiles, label: str, role: str, name: str, rows: tuple[int, int]
-) -> tuple[torch.Tensor, bytes]:
-    loc = model.tensors[name]
-    info = loc.info
-    s, e = byte_range(info.start, info.shape, DTYPES[info.dtype].itemsize, *rows)
-    raw = reader.read(model.path(loc.file), s, e, role=role, model=label, file=loc.file)
+# The pass reads every byte anyway: it fetches runs of whole blocks of about this size at once
+# (one request per model per run, concurrent on object stores) and cuts them into blocks in memory.
+READ_CHUNK = 8 * 1024 * 1024
+
+
+def chunk_blocks(blocks: list[tuple[int, int]], row_bytes: int, chunk: int = READ_CHUNK) -> list[list[int]]:
+    """Consecutive block numbers grouped into runs of at most `chunk` bytes (at least one block)."""
+    runs: list[list[int]] = []
+    size = 0
+    for b, (r0, r1) in enumerate(blocks):
+        n = (r1 - r0) * row_bytes
+        if runs and size + n <= chunk:
+            runs[-1].append(b)
+            size += n
+        else:
+            runs.append([b])
+            size = n
+    return runs
+
+
+def _block_ranges(model: ModelFiles, name: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    info = model.tensors[name].info
+    return [byte_range(info.start, info.shape, DTYPES[info.dtype].itemsize, r0, r1) for r0, r1 in blocks]
+
+
+def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: bytes) -> torch.Tensor:
+    info = model.tensors[name].info
     shape = (rows[1] - rows[0], *info.shape[1:]) if info.shape else ()
-    return decode(raw, info.dtype, shape), bytes(raw)
+    return decode(bytearray(raw), info.dtype, shape)
 
 
 def compute_stats(
@@ -102,8 +122,8 @@ def compute_stats(
     cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
     layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
     experts = [(i, family.experts[i], family.expert_fps()[i]) for i in expert_positions]
-    base_hashers = {n: hashlib.sha256() for n in family.base.tensors}
-    expert_hashers = {i: {n: hashlib.sha256() for n in family.base.tensors} for i, _, _ in experts}
+    models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
+    hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
     # Read in file order so a cold disk sees near-sequential access.
     order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].info.start))
     for name in order:
@@ -111,37 +131,49 @@ def compute_stats(
         dt = DTYPES[info.dtype]
         is_float = dt.is_float
         blocks = block_rows(info.shape, dt.itemsize, block_size)
-        for b, rows in enumerate(blocks):
-            base_t, base_raw = _read_block(reader, family.base, "base", "base", name, rows)
-            base_hashers[name].update(base_raw)
-            if is_float:
-                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), rows[0], rows[1], len(base_raw))):
-                    layout[col].append(value)
-            for i, model, fp in experts:
-                x, raw = _read_block(reader, model, expert_label(i), "expert", name, rows)
-                expert_hashers[i][name].update(raw)
-                if progress:
-                    progress(len(raw))
-                if not is_float:
-                    if raw != base_raw:
-                        raise BadInput(
-                            f"expert {i} ({model.uri}): tensor {name!r} is a {info.dtype} buffer that differs "
-                            "from the base; non-float tensors must be identical across the family"
-                        )
-                    continue
-                sq, mx, nnz = delta_stats(base_t, x)
-                if not (math.isfinite(sq) and math.isfinite(mx)):
-                    raise BadInput(f"expert {i} ({model.uri}): tensor {name!r} block {b} has a non-finite delta (NaN or Inf)")
-                cols["expert_fp"].append(fp)
-                cols["tensor"].append(name)
-                cols["block"].append(b)
-                cols["bytes"].append(len(raw))
-                cols["delta_sq"].append(sq)
-                cols["max_abs_delta"].append(mx)
-                cols["nnz_delta"].append(nnz)
-                cols["content_hash"].append(hashlib.blake2b(raw, digest_size=16).hexdigest())
+        row_bytes = max(1, _block_ranges(family.base, name, [(0, 1)])[0][1] - info.start) if info.shape else 1
+        for run in chunk_blocks(blocks, row_bytes):
+            rows = [blocks[b] for b in run]
+            per_model = [_block_ranges(m, name, rows) for _, _, m in models]
+            requests = [
+                ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
+                for (label, role, m), r in zip(models, per_model)
+            ]
+            chunks = [bufs[0] for bufs in reader.read_batch(requests)]
+            for j, (b, block) in enumerate(zip(run, rows)):
+                raws = [
+                    bytes(memoryview(c)[r[j][0] - r[0][0] : r[j][1] - r[0][0]]) for c, r in zip(chunks, per_model)
+                ]
+                for h, raw in zip(hashers, raws):
+                    h[name].update(raw)
+                base_raw = raws[0]
+                if is_float:
+                    base_t = _decode_block(family.base, name, block, base_raw)
+                    for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(base_raw))):
+                        layout[col].append(value)
+                for (i, model, fp), raw in zip(experts, raws[1:]):
+                    if progress:
+                        progress(len(raw))
+                    if not is_float:
+                        if raw != base_raw:
+                            raise BadInput(
+                                f"expert {i} ({model.uri}): tensor {name!r} is a {info.dtype} buffer that differs "
+                                "from the base; non-float tensors must be identical across the family"
+                            )
+                        continue
+                    sq, mx, nnz = delta_stats(base_t, _decode_block(model, name, block, raw))
+                    if not (math.isfinite(sq) and math.isfinite(mx)):
+                        raise BadInput(f"expert {i} ({model.uri}): tensor {name!r} block {b} has a non-finite delta (NaN or Inf)")
+                    cols["expert_fp"].append(fp)
+                    cols["tensor"].append(name)
+                    cols["block"].append(b)
+                    cols["bytes"].append(len(raw))
+                    cols["delta_sq"].append(sq)
+                    cols["max_abs_delta"].append(mx)
+                    cols["nnz_delta"].append(nnz)
+                    cols["content_hash"].append(hashlib.blake2b(raw, digest_size=16).hexdigest())
     result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
-    result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in base_hashers.items()}, family.base)
-    for i, model, fp in experts:
-        result.content[fp] = content_digest({n: h.hexdigest() for n, h in expert_hashers[i].items()}, model)
+    result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
+    for (i, model, fp), h in zip(experts, hashers[1:]):
+        result.content[fp] = content_digest({n: x.hexdigest() for n, x in h.items()}, model)
     return result

@@ -8,6 +8,7 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 from . import __version__
@@ -16,11 +17,11 @@ from .errors import BadInput
 from .output_layout import OutputLayout
 from .planning import Plan, access_set_sha256
 from .storage.ledger import ByteLedger
-from .storage.model_files import INDEX_FILE
-from .storage.writer import copy_file, sha256_file, write_file
+from .storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
+from .storage.location import is_remote, join, normalize, split
+from .storage.reader import read_small_file, stat
+from .storage.writer import copy_file, sha256_file, sha256_uri, write_file
 
-MANIFEST_FILE = "mergepipe-manifest.json"
-ACCESS_FILE = "mergepipe-access.parquet"
 FORMAT = "mergepipe-manifest/1"
 
 
@@ -49,7 +50,7 @@ def write_output_files(plan: Plan, layout: OutputLayout, staging: Path, ledger: 
     write_file(staging / INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
     for name in base.sidecars:
-        copy_file(str(Path(base.root) / name), staging / name, ledger)
+        copy_file(join(base.root, name), staging / name, ledger)
     pq.write_table(plan.access, staging / ACCESS_FILE)
     shards = []
     for shard in layout.shards:
@@ -71,15 +72,21 @@ def write_manifest(staging: Path, manifest: dict) -> None:
     write_file(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 
 
-def load_manifest(path: str | Path) -> dict:
+def manifest_uri(location: str | Path) -> str:
+    """The manifest of an output folder (or the manifest file itself)."""
+    location = str(location)
+    if location.endswith(".json") or (not is_remote(location) and Path(location).is_file()):
+        return location
+    return join(normalize(location), MANIFEST_FILE)
+
+
+def load_manifest(location: str | Path) -> dict:
     """A manifest whose digest matches its content; a hand-edited one is refused."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / MANIFEST_FILE
-    if not path.exists():
-        raise BadInput(f"{path}: no manifest (the output was never published, or this is not a mergepipe output)")
+    path = manifest_uri(location)
+    if stat(path) is None:
+        raise BadInput(f"{path}: no manifest: not a published output (never published, unfinished, or not a mergepipe output)")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_small_file(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadInput(f"{path}: manifest is not valid JSON ({err})") from None
     if not isinstance(manifest, dict) or not {"digest", "content", "run"} <= set(manifest):
@@ -90,6 +97,15 @@ def load_manifest(path: str | Path) -> dict:
     if actual != manifest["digest"]:
         raise BadInput(f"{path}: manifest content does not match its digest (edited by hand?): {actual} != {manifest['digest']}")
     return manifest
+
+
+def load_access_set(location: str | Path, manifest: dict) -> pa.Table:
+    """The access set saved beside a manifest."""
+    folder = split(manifest_uri(location))[0]
+    path = join(folder, manifest["content"]["output"]["access_set_file"])
+    if stat(path) is None:
+        raise BadInput(f"{path}: the manifest's access set is missing")
+    return pq.read_table(pa.BufferReader(read_small_file(path)))
 
 
 @dataclass
@@ -107,24 +123,25 @@ class Verification:
 
 def verify_output(out: str | Path) -> Verification:
     """Re-hash every file the manifest names; report each that differs."""
-    out = Path(out)
     manifest = load_manifest(out)
+    folder = split(manifest_uri(out))[0]
     result = Verification(str(out), manifest["digest"])
     output = manifest["content"]["output"]
     for entry in output["shards"] + output["files"]:
-        path = out / entry["file"]
-        if not path.exists():
+        path = join(folder, entry["file"])
+        found = sha256_uri(path)
+        if found is None:
             result.fail(f"{path}: missing")
             continue
-        digest, size = sha256_file(path)
+        digest, size = found
         result.checked_bytes += size
         if size != entry["size"] or digest != entry["sha256"]:
             result.fail(f"{path}: sha256 {digest} ({size} bytes) differs from the manifest's {entry['sha256']} ({entry['size']} bytes)")
-    access_path = out / output["access_set_file"]
-    if not access_path.exists():
-        result.fail(f"{access_path}: missing")
+    try:
+        access = load_access_set(out, manifest)
+    except BadInput as err:
+        result.fail(str(err))
     else:
-        sha = access_set_sha256(pq.read_table(access_path))
-        if sha != manifest["content"]["plan"]["access_set"]["sha256"]:
-            result.fail(f"{access_path}: access set differs from the manifest's")
+        if access_set_sha256(access) != manifest["content"]["plan"]["access_set"]["sha256"]:
+            result.fail(f"{join(folder, output['access_set_file'])}: access set differs from the manifest's")
     return result

@@ -58,7 +58,8 @@ class MergeSpec(_Strict):
     block_size: str | int = "1MiB"
     out_shard_size: str | int = "5GB"
     seed: int = 0
-    storage_options: dict[str, Any] = Field(default_factory=dict)
+    # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
+    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
     @field_validator("merge_method")
     @classmethod

@@ -55,3 +55,30 @@ def fp32_family(session_dir) -> FamilyPaths:
 @pytest.fixture(scope="session")
 def session_catalog(session_dir) -> str:
     return str(session_dir / "catalog.duckdb")
+
+
+@pytest.fixture(scope="session")
+def s3(session_dir):
+    """An S3 server on loopback behind the counting proxy, with a bucket `ckpt`. Clients in this
+    process reach it through the usual AWS environment variables."""
+    from .s3_server import S3Server
+
+    server = S3Server()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": server.endpoint,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    server.client().create_bucket(Bucket="ckpt")
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.close()

@@ -13,9 +13,12 @@ from typing import Iterator
 import duckdb
 
 from ..errors import MergepipeError
+from ..home import home
 
 LOCK_TIMEOUT_S = float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
-SCHEMA_VERSION = "1"
+SCHEMA_VERSION = "2"
+# Upgrades from each earlier version (applied in order, each in the schema check's transaction).
+MIGRATIONS = {"1": "migrate_1_to_2.sql"}
 
 
 @contextmanager
@@ -34,10 +37,6 @@ def transaction(con: duckdb.DuckDBPyConnection, **tables) -> Iterator[duckdb.Duc
     finally:
         for name in tables:
             con.unregister(name)
-
-
-def home() -> Path:
-    return Path(os.environ.get("MERGEPIPE_HOME", "~/.mergepipe")).expanduser()
 
 
 def default_catalog_path() -> Path:
@@ -88,17 +87,28 @@ def connect(path: str | Path | None = None, *, read_only: bool = False, timeout:
 
 
 def _ensure_schema(con: duckdb.DuckDBPyConnection, path: Path) -> None:
-    """Create the schema, or check that an existing catalog has this version's."""
+    """Create the schema, upgrade an earlier version's, or refuse a newer one."""
     con.execute("CREATE TABLE IF NOT EXISTS catalog_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
     found = con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall()
-    if found and found[0][0] != SCHEMA_VERSION:
-        raise MergepipeError(
-            f"{path}: catalog schema version {found[0][0]}, this mergepipe uses {SCHEMA_VERSION}; "
-            "use another catalog file (--catalog or MERGEPIPE_CATALOG)"
-        )
-    if not found:
+    version = found[0][0] if found else None
+    if version is None:
         tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "block_stats" in tables:
             raise MergepipeError(f"{path}: catalog from an earlier development version; use another catalog file")
+    elif version != SCHEMA_VERSION:
+        if version not in MIGRATIONS:
+            raise MergepipeError(
+                f"{path}: catalog schema version {version}, this mergepipe uses {SCHEMA_VERSION}; "
+                "use another catalog file (--catalog or MERGEPIPE_CATALOG)"
+            )
+        con.execute("BEGIN")
+        try:
+            while version in MIGRATIONS:
+                con.execute(sql_text(MIGRATIONS[version]))
+                version = con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall()[0][0]
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
     con.execute(sql_text("schema.sql"))
     con.execute("INSERT OR IGNORE INTO catalog_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION])

@@ -27,7 +27,8 @@ def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Tabl
             f_rows.append(
                 {"model_fp": fp, "file": shard, "size": ffp.size, "mtime_ns": ffp.mtime_ns,
                  "ctime_ns": ffp.ctime_ns, "inode": ffp.inode,
-                 "header_bytes": len(model.header_bytes.get(shard, b""))}
+                 "header_bytes": len(model.header_bytes.get(shard, b"")),
+                 "etag": ffp.etag, "version_id": ffp.version_id}
             )
         for name, loc in model.tensors.items():
             t_rows.append(
@@ -41,7 +42,13 @@ def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Tabl
                           ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("byte_start", pa.int64()),
                           ("byte_end", pa.int64()), ("layer", pa.string())]),
     )
-    return pa.Table.from_pylist(m_rows), pa.Table.from_pylist(f_rows), tensors
+    files = pa.Table.from_pylist(
+        f_rows,
+        schema=pa.schema([("model_fp", pa.string()), ("file", pa.string()), ("size", pa.int64()),
+                          ("mtime_ns", pa.int64()), ("ctime_ns", pa.int64()), ("inode", pa.int64()),
+                          ("header_bytes", pa.int64()), ("etag", pa.string()), ("version_id", pa.string())]),
+    )
+    return pa.Table.from_pylist(m_rows), files, tensors
 
 
 def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
@@ -52,7 +59,7 @@ def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
             "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
             "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
         )
-        con.execute("INSERT OR IGNORE INTO model_files SELECT * FROM new_files")
+        con.execute("INSERT OR IGNORE INTO model_files BY NAME SELECT * FROM new_files")
         con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
 
 

@@ -1,6 +1,6 @@
 -- mergepipe catalog. One file serves many families and merges.
--- Statistics are keyed by model fingerprints (location + each file's size, mtime, ctime, inode)
--- and block size;
+-- Statistics are keyed by model fingerprints (location + each file's size, and its mtime, ctime
+-- and inode on local disk, or its ETag and version id in an object store) and block size;
 -- a stat_sets row is written in the same transaction as its block_stats rows, and readers use
 -- only block_stats that have one, so a half-ingested expert is never planned against.
 
@@ -17,10 +17,12 @@ CREATE TABLE IF NOT EXISTS model_files (
     model_fp  VARCHAR NOT NULL,
     file      VARCHAR NOT NULL,
     size      BIGINT NOT NULL,
-    mtime_ns  BIGINT NOT NULL,
-    ctime_ns  BIGINT NOT NULL,
-    inode     BIGINT NOT NULL,
+    mtime_ns  BIGINT,        -- local files
+    ctime_ns  BIGINT,
+    inode     BIGINT,
     header_bytes BIGINT NOT NULL,
+    etag       VARCHAR,      -- objects
+    version_id VARCHAR,
     PRIMARY KEY (model_fp, file)
 );
 

@@ -15,6 +15,7 @@ from .. import progress
 from ..errors import MergepipeError
 from ..family import Family
 from ..manifest import MANIFEST_FILE, versions
+from ..storage.location import join
 from ..planning import Plan
 from ..spec import MergeSpec
 from ..storage import writer
@@ -74,7 +75,7 @@ def flow_run_id() -> str | None:
 def execute_plan(
     plan: Plan,
     plan_dir: str,
-    out: Path,
+    out: str,
     *,
     overwrite: bool,
     catalog: str | None,
@@ -131,7 +132,8 @@ def execute_plan(
             "expert_bytes_read": expert_read,
             "timings": timings,
         }
-        manifest = publish_output(plan_dir, staging, str(out), overwrite, output, run, expected_digest)
+        manifest, rows = publish_output(plan_dir, staging, out, overwrite, output, run, expected_digest)
+        ledger.merge(rows)
     except BaseException:
         writer.discard(Path(staging))
         raise
@@ -143,7 +145,7 @@ def execute_plan(
             "kind": kind,
             "plan_digest": plan.plan_digest,
             "merge_digest": manifest["digest"],
-            "out_uri": str(out),
+            "out_uri": out,
             "started_at": datetime.fromisoformat(started_at),
             "finished_at": datetime.fromisoformat(run["finished_at"]),
             "wall_seconds": run["wall_seconds"],
@@ -160,8 +162,8 @@ def execute_plan(
     return {
         "digest": manifest["digest"],
         "plan_digest": plan.plan_digest,
-        "out": str(out),
-        "manifest": str(out / MANIFEST_FILE),
+        "out": out,
+        "manifest": join(out, MANIFEST_FILE),
         "merge_method": plan.spec["merge_method"],
         "budget_bytes": plan.budget_bytes,
         "full_expert_bytes": plan.full_expert_bytes,

@@ -5,12 +5,14 @@ from __future__ import annotations
 from prefect import flow
 
 from ..spec import load_spec
+from ..storage.location import set_storage_options
 from .common import run_index
 
 
 @flow(name="index-family")
 def index_family(config: str, catalog: str | None = None) -> dict:
     spec = load_spec(config)
+    set_storage_options(spec.storage_options)
     outcome = run_index(spec, catalog)
     return {
         "base": spec.base_model,

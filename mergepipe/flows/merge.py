@@ -8,6 +8,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from ..spec import MergeSpec, load_spec
+from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
 from .common import execute_plan, now, run_index, worker_count
@@ -15,6 +16,7 @@ from .common import execute_plan, now, run_index, worker_count
 
 def spec_with_overrides(config: str, budget: str | None, max_error: float | None) -> MergeSpec:
     spec = load_spec(config)
+    set_storage_options(spec.storage_options)
     if budget is not None:
         spec = spec.with_overrides(budget=budget, max_error=None)
     elif max_error is not None:

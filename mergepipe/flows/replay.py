@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
-import pyarrow.parquet as pq
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from ..errors import BadInput
-from ..manifest import MANIFEST_FILE, load_manifest
+from ..manifest import load_access_set, load_manifest, manifest_uri
 from ..planning import build_plan
 from ..spec import MergeSpec
+from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plans_dir
 from .common import execute_plan, now, run_index, worker_count
@@ -22,9 +21,10 @@ from .common import execute_plan, now, run_index, worker_count
 def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None = None) -> dict:
     t0 = time.perf_counter()
     started = now()
-    m_path = Path(manifest)
-    m_dir = m_path if m_path.is_dir() else m_path.parent
-    recorded = load_manifest(m_path)
+    # Manifests never hold storage options: object stores are reached with the environment's
+    # credentials and endpoint (AWS_* variables, profiles).
+    set_storage_options(None)
+    recorded = load_manifest(manifest)
     content, run = recorded["content"], recorded["run"]
     spec = MergeSpec.model_validate(run["spec"])
     out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
@@ -37,17 +37,14 @@ def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None
                 f"{uri}: input {want['role']} changed since the merge "
                 f"(content sha256 {have}, the manifest records {want['content_sha256']}); refusing to replay"
             )
-    access_path = m_dir / content["output"]["access_set_file"]
-    if not access_path.exists():
-        raise BadInput(f"{access_path}: the manifest's access set is missing")
-    access = pq.read_table(access_path)
+    access = load_access_set(manifest, recorded)
     plan_content = content["plan"]
     p = build_plan(
         spec, outcome.family, outcome.content, access,
         budget_bytes=plan_content["budget_bytes"], bound=plan_content["error_bound"],
     )
     if p.plan_digest != plan_content["plan_digest"]:
-        raise BadInput(f"{m_dir / MANIFEST_FILE}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}")
+        raise BadInput(f"{manifest_uri(manifest)}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}")
     plan_dir = plans_dir(p)
     p.save(plan_dir)
     return execute_plan(

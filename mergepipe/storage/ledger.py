@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-ROLES = ("header", "base", "expert", "output", "checksum", "sidecar")
+ROLES = ("header", "base", "expert", "output", "checksum", "sidecar", "upload")
 
 
 class ByteLedger:

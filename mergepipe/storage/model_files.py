@@ -7,11 +7,16 @@ import os
 from dataclasses import dataclass, field
 
 from ..errors import BadInput
-from .reader import FileFingerprint, RangeReader, fingerprint, read_small_file
+from .fingerprints import FileFingerprint
+from .location import is_remote, join, normalize, split
+from .reader import RangeReader, fingerprint, list_folder, read_small_file, stat
 from .safetensors_format import TensorInfo, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# What mergepipe adds to an output folder.
+MANIFEST_FILE = "mergepipe-manifest.json"
+ACCESS_FILE = "mergepipe-access.parquet"
 # Copied byte for byte from the base into the output (those that exist).
 SIDECAR_FILES = (
     "config.json",
@@ -46,31 +51,37 @@ class ModelFiles:
     header_bytes: dict[str, bytes] = field(default_factory=dict)
 
     def path(self, name: str) -> str:
-        return os.path.join(self.root, name)
+        return join(self.root, name)
 
 
 def _inside(root: str, name: str, source: str) -> str:
     if os.path.isabs(name) or name != os.path.normpath(name) or name.startswith(".."):
         raise BadInput(f"{source}: shard name {name!r} escapes the model folder")
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(os.path.join(root, name))
-    if os.path.commonpath([real_root, real]) != real_root:
-        raise BadInput(f"{source}: shard {name!r} resolves outside the model folder")
+    if not is_remote(root):
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(root, name))
+        if os.path.commonpath([real_root, real]) != real_root:
+            raise BadInput(f"{source}: shard {name!r} resolves outside the model folder")
     return name
 
 
 def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
-    """The model's shard files (and its index weight map, if any), without reading tensor data."""
-    if os.path.isfile(uri):
-        if not uri.endswith(".safetensors"):
-            raise BadInput(f"{uri}: not a .safetensors file or a model folder")
-        root, name = os.path.split(uri)
+    """The model's shard files (and its index weight map, if any), without reading tensor data.
+
+    `uri` is a folder (local, or an object-store prefix) or a single .safetensors file."""
+    uri = normalize(uri)
+    if uri.endswith(".safetensors") and stat(uri) is not None:
+        root, name = split(uri)
         return ModelFiles(uri, root, [name], []), None
-    if not os.path.isdir(uri):
+    files = list_folder(uri)
+    if files is None:
+        if stat(uri) is not None:
+            raise BadInput(f"{uri}: not a .safetensors file or a model folder")
         raise BadInput(f"{uri}: model not found (no such file or folder)")
-    sidecars = [n for n in SIDECAR_FILES if os.path.isfile(os.path.join(uri, n))]
-    index_path = os.path.join(uri, INDEX_FILE)
-    if os.path.isfile(index_path):
+    present = set(files)
+    sidecars = [n for n in SIDECAR_FILES if n in present]
+    if INDEX_FILE in present:
+        index_path = join(uri, INDEX_FILE)
         try:
             index = json.loads(read_small_file(index_path))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -80,10 +91,10 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
             raise BadInput(f"{index_path}: weight_map must map tensor names to shard file names")
         shards = sorted({_inside(uri, v, index_path) for v in weight_map.values()})
         for s in shards:
-            if not os.path.isfile(os.path.join(uri, s)):
+            if s not in present:
                 raise BadInput(f"{index_path}: shard {s!r} is missing")
         return ModelFiles(uri, uri, shards, sidecars), weight_map
-    if os.path.isfile(os.path.join(uri, SINGLE_FILE)):
+    if SINGLE_FILE in present:
         return ModelFiles(uri, uri, [SINGLE_FILE], sidecars), None
     raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
 

@@ -2,48 +2,71 @@
 
 Local files are read with os.preadv into preallocated buffers after
 posix_fadvise(POSIX_FADV_RANDOM): mmap page faults and sequential read() calls let the kernel's
-read-ahead pull in megabytes nobody planned (DESIGN.md, byte ledger).
+read-ahead pull in megabytes nobody planned (DESIGN.md, byte ledger). Remote objects are read
+with one ranged GET per range (storage.remote); both count into the same ledger.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections import defaultdict
 from dataclasses import dataclass
 
 from ..errors import BadInput, MergepipeError
+from . import remote
+from .fingerprints import FileFingerprint
 from .ledger import ByteLedger
+from .location import is_remote, protocol
 
 
 @dataclass(frozen=True)
-class FileFingerprint:
-    """What says a local file may have changed. mtime alone can be set back (rsync -t, touch
-    -d); the inode and ctime change whenever the file is replaced or written."""
-
-    size: int
-    mtime_ns: int
-    ctime_ns: int
-    inode: int
-
-    def as_json(self) -> dict:
-        return {"size": self.size, "mtime_ns": self.mtime_ns, "ctime_ns": self.ctime_ns, "inode": self.inode}
+class ReadRequest:
+    path: str
+    ranges: list[tuple[int, int]]
+    role: str
+    model: str
+    file: str
 
 
-def fingerprint(path: str) -> FileFingerprint:
+def stat(uri: str) -> FileFingerprint | None:
+    """The file's fingerprint, or None when no file is there."""
+    if is_remote(uri):
+        return remote.stat(uri)
     try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise BadInput(f"{path}: file not found") from None
-    return FileFingerprint(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        st = os.stat(uri)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if not os.path.isfile(uri):
+        return None
+    return FileFingerprint(st.st_size, mtime_ns=st.st_mtime_ns, ctime_ns=st.st_ctime_ns, inode=st.st_ino)
 
 
-def read_small_file(path: str) -> bytes:
-    """Whole small files (index json, config, tokenizer)."""
+def fingerprint(uri: str) -> FileFingerprint:
+    fp = stat(uri)
+    if fp is None:
+        raise BadInput(f"{uri}: file not found")
+    return fp
+
+
+def list_folder(uri: str) -> list[str] | None:
+    """Names of the files directly in a folder (or under a prefix); None if there is none."""
+    if is_remote(uri):
+        return remote.list_folder(uri)
+    if not os.path.isdir(uri):
+        return None
+    return sorted(e.name for e in os.scandir(uri) if e.is_file())
+
+
+def read_small_file(uri: str) -> bytes:
+    """Whole small files (index json, config, tokenizer, manifest)."""
+    if is_remote(uri):
+        return remote.read_all(uri)
     try:
-        with open(path, "rb") as f:
+        with open(uri, "rb") as f:
             return f.read()
     except FileNotFoundError:
-        raise BadInput(f"{path}: file not found") from None
+        raise BadInput(f"{uri}: file not found") from None
 
 
 class RangeReader:
@@ -74,9 +97,30 @@ class RangeReader:
     def read_many(
         self, path: str, ranges: list[tuple[int, int]], *, role: str, model: str, file: str
     ) -> list[bytearray]:
+        return self.read_batch([ReadRequest(path, ranges, role, model, file)])[0]
+
+    def read_batch(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
+        """Every request's ranges; remote ones are fetched together, concurrently."""
+        by_protocol: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
+        for k, req in enumerate(requests):
+            if is_remote(req.path):
+                by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
+        fetched: dict[int, list[bytearray]] = defaultdict(list)
+        for items in by_protocol.values():
+            for (k, *_), data in zip(items, remote.fetch([(p, s, e) for _, p, s, e in items])):
+                fetched[k].append(data)
+        out = []
+        for k, req in enumerate(requests):
+            bufs = fetched[k] if is_remote(req.path) else self._pread_all(req.path, req.ranges)
+            self.ledger.add(
+                req.role, req.model, req.file, sum(len(b) for b in bufs), requests=sum(1 for s, e in req.ranges if e > s)
+            )
+            out.append(bufs)
+        return out
+
+    def _pread_all(self, path: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
         fd = self._fd(path)
         out = []
-        total = 0
         for start, end in ranges:
             buf = bytearray(end - start)
             view = memoryview(buf)
@@ -93,8 +137,6 @@ class RangeReader:
                     )
                 got += n
             out.append(buf)
-            total += len(buf)
-        self.ledger.add(role, model, file, total, requests=len(ranges))
         return out
 
     def close(self) -> None:

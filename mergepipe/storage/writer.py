@@ -1,43 +1,109 @@
-"""Output folders: staged next to the destination, written in place, published by rename.
+"""Output folders: staged, written in place, published atomically.
 
-Nothing is visible at the destination until the final rename, which happens only after every
-shard is written, hashed and synced and the manifest is in the staging folder."""
+Local output is staged next to its destination and published by one rename, after every shard
+is written, hashed and synced and the manifest is in the staging folder. Output to an object
+store is staged in a local spool (shards are written at computed offsets, which objects do not
+allow), then uploaded: shards first, the manifest last. The manifest is the commit marker: a
+prefix without one is not a published merge, whatever else it holds."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from ..canonical import digest_of
 from ..errors import BadInput, MergepipeError
+from ..home import home
+from . import remote
 from .ledger import ByteLedger
+from .location import inside, is_remote, join, normalize
+from .model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
+from .reader import read_small_file, stat
 
 STAGING_MARK = ".mergepipe-staging-"
 HASH_CHUNK = 8 * 1024 * 1024
+# Every name mergepipe writes into an output; a prefix holding only these and no manifest is
+# an unfinished upload that a new merge may complete.
+_OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+_OUTPUT_FILES = {INDEX_FILE, MANIFEST_FILE, ACCESS_FILE, *SIDECAR_FILES}
 
 
-def check_destination(out: str | Path, overwrite: bool, inputs: list[str]) -> Path:
-    """Refuse, before any work, an output that exists (without overwrite) or lies inside an input."""
-    out = Path(out).expanduser().resolve()
+def is_output_name(name: str) -> bool:
+    return name in _OUTPUT_FILES or bool(_OUTPUT_NAME.fullmatch(name))
+
+
+def _overlap(out: str, uri: str) -> str | None:
+    if is_remote(out) != is_remote(uri):
+        return None
+    if is_remote(out):
+        root = normalize(uri)
+        root = root.rsplit("/", 1)[0] if root.endswith(".safetensors") else root
+        if inside(out, root):
+            return f"{out}: output lies inside the input model folder {root}"
+        if inside(root, out):
+            return f"{out}: the input model {root} lies inside the output folder"
+        return None
+    root = Path(uri).resolve()
+    root = root.parent if root.is_file() else root
+    o = Path(out)
+    if o == root or root in o.parents:
+        return f"{out}: output folder lies inside the input model folder {root}"
+    if o in root.parents:
+        return f"{out}: the input model {root} lies inside the output folder"
+    return None
+
+
+def check_destination(out: str | Path, overwrite: bool, inputs: list[str]) -> str:
+    """Refuse, before any work, an output that exists (without overwrite) or overlaps an input.
+    Returns the destination in its normal form."""
+    out = normalize(str(out)) if is_remote(str(out)) else str(Path(out).expanduser().resolve())
     for uri in inputs:
-        if "://" in uri:
-            continue
-        root = Path(uri).resolve()
-        root = root.parent if root.is_file() else root
-        if out == root or root in out.parents:
-            raise BadInput(f"{out}: output folder lies inside the input model folder {root}")
-    if out.exists() and not overwrite:
+        problem = _overlap(out, uri)
+        if problem:
+            raise BadInput(problem)
+    if is_remote(out):
+        _check_remote_destination(out, overwrite)
+        return out
+    path = Path(out)
+    if path.exists() and not overwrite:
         raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
-    if out.exists() and not out.is_dir():
+    if path.exists() and not path.is_dir():
         raise BadInput(f"{out}: exists and is not a folder")
     return out
 
 
-def new_staging_dir(out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+def _check_remote_destination(out: str, overwrite: bool) -> None:
+    if stat(out) is not None:
+        raise BadInput(f"{out}: is an object, not a prefix")
+    if overwrite:
+        return
+    names = remote.list_tree(out)
+    if MANIFEST_FILE in names:
+        raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
+    foreign = [n for n in names if not is_output_name(n)]
+    if foreign:
+        raise BadInput(
+            f"{out}: holds objects that are not part of a mergepipe output (such as {foreign[0]!r}) "
+            "and no manifest; choose an empty prefix or pass --overwrite to replace them"
+        )
+
+
+def new_staging_dir(out: str) -> Path:
+    """Local output: a hidden folder beside it (same file system, so the rename is atomic).
+    Remote output: a folder in MERGEPIPE_HOME's spool."""
+    if is_remote(out):
+        parent = home() / "spool"
+        name = f"{digest_of(out)[:12]}{STAGING_MARK}{secrets.token_hex(6)}"
+    else:
+        parent = Path(out).parent
+        name = f".{Path(out).name}{STAGING_MARK}{secrets.token_hex(6)}"
+    parent.mkdir(parents=True, exist_ok=True)
+    staging = parent / name
     staging.mkdir()
     return staging
 
@@ -79,6 +145,16 @@ def sha256_file(path: Path, ledger: ByteLedger | None = None, role: str = "check
     return h.hexdigest(), size
 
 
+def sha256_uri(uri: str) -> tuple[str, int] | None:
+    """SHA-256 and size of a local file or an object; None if it is not there."""
+    if not is_remote(uri):
+        return sha256_file(Path(uri)) if os.path.isfile(uri) else None
+    fp = stat(uri)
+    if fp is None:
+        return None
+    return remote.sha256(uri, fp.size), fp.size
+
+
 def write_file(path: Path, data: bytes) -> None:
     with open(path, "wb") as f:
         f.write(data)
@@ -87,7 +163,11 @@ def write_file(path: Path, data: bytes) -> None:
 
 
 def copy_file(src: str, dst: Path, ledger: ByteLedger) -> None:
-    shutil.copyfile(src, dst)
+    """A whole small file (config, tokenizer) from a local folder or an object store."""
+    if is_remote(src):
+        write_file(dst, read_small_file(src))
+    else:
+        shutil.copyfile(src, dst)
     ledger.add("sidecar", "base", dst.name, os.path.getsize(dst))
 
 
@@ -99,24 +179,59 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def publish(staging: Path, out: Path, overwrite: bool) -> None:
-    """Make the staged folder visible at `out` in one rename (after syncing it)."""
+def publish(
+    staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None = None
+) -> None:
+    """Make the staged folder (manifest included) visible at `out`."""
+    if is_remote(out):
+        _upload(staging, out, overwrite, ledger, progress)
+        discard(staging)
+        return
+    out_path = Path(out)
     for p in staging.iterdir():
         _fsync_path(p)
     _fsync_path(staging, directory=True)
-    if out.exists():
+    if out_path.exists():
         if not overwrite:
             raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
-        trash = out.parent / f".{out.name}.mergepipe-old-{secrets.token_hex(6)}"
-        os.rename(out, trash)
-        os.rename(staging, out)
+        trash = out_path.parent / f".{out_path.name}.mergepipe-old-{secrets.token_hex(6)}"
+        os.rename(out_path, trash)
+        os.rename(staging, out_path)
         shutil.rmtree(trash, ignore_errors=True)
     else:
         try:
-            os.rename(staging, out)
+            os.rename(staging, out_path)
         except OSError as err:
             raise MergepipeError(f"{out}: could not publish ({err.strerror})") from None
-    _fsync_path(out.parent, directory=True)
+    _fsync_path(out_path.parent, directory=True)
+
+
+def upload_order(names: list[str]) -> list[str]:
+    """Shards, then the small files, then the manifest: whatever is visible before the
+    manifest is, by the commit rule, not a published output."""
+    rest = sorted(n for n in names if n != MANIFEST_FILE)
+    shards = [n for n in rest if n.endswith(".safetensors")]
+    return shards + [n for n in rest if n not in shards] + ([MANIFEST_FILE] if MANIFEST_FILE in names else [])
+
+
+def _upload(staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None) -> None:
+    names = sorted(p.name for p in staging.iterdir())
+    if MANIFEST_FILE not in names:
+        raise MergepipeError(f"{staging}: no manifest staged; not publishing")
+    before = remote.list_tree(out)
+    if MANIFEST_FILE in before:
+        if not overwrite:
+            raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
+        # Unpublish first: from here until the new manifest lands, the prefix is not an output.
+        remote.delete([join(out, MANIFEST_FILE)])
+    for name in upload_order(names):
+        if name == MANIFEST_FILE:
+            # Objects of an earlier output that this one does not have go before the commit.
+            remote.delete([join(out, n) for n in before if n not in names])
+        size = remote.upload(str(staging / name), join(out, name))
+        ledger.add("upload", "output", name, size)
+        if progress:
+            progress(size)
 
 
 def discard(staging: Path) -> None:

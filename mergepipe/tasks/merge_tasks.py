@@ -9,13 +9,15 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from ..catalog import db, records
-from ..errors import MergepipeError
-from ..execution import merge_group, output_layout_of
+from .. import progress
+from ..errors import BadInput, MergepipeError
+from ..execution import changed_inputs, merge_group, output_layout_of
 from ..manifest import build_manifest, write_manifest, write_output_files
 from ..output_layout import OutputLayout
 from ..planning import Plan
 from ..storage import writer
 from ..storage.ledger import ByteLedger
+from ..storage.location import is_remote
 from . import STORAGE_RETRIES
 
 
@@ -29,7 +31,7 @@ def load_plan(plan_dir: str) -> tuple[Plan, OutputLayout]:
 @task(name="stage-output", cache_policy=NO_CACHE)
 def stage_output(plan_dir: str, out: str) -> str:
     _, layout = load_plan(plan_dir)
-    staging = writer.new_staging_dir(Path(out))
+    staging = writer.new_staging_dir(out)
     for shard in layout.shards:
         writer.create_shard(staging / shard.name, shard.header, shard.size)
     return str(staging)
@@ -42,9 +44,14 @@ def merge_layer_group(plan_dir: str, group: str, staging: str) -> list[dict]:
     return merge_group(plan, layout, group, Path(staging))
 
 
-@task(name="write-output-files", cache_policy=NO_CACHE)
+@task(name="write-output-files", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
+    """Index, sidecars, access set and checksums; first, a check that no input changed while
+    its bytes were being read (a merge of two versions of a file is never published)."""
     plan, layout = load_plan(plan_dir)
+    changed = changed_inputs(plan)
+    if changed:
+        raise BadInput(f"{changed[0]}: input changed during the merge (its fingerprint differs from the plan's); not publishing")
     ledger = ByteLedger()
     output = write_output_files(plan, layout, Path(staging), ledger)
     return output, ledger.rows()
@@ -53,16 +60,24 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
 @task(name="publish-output", cache_policy=NO_CACHE)
 def publish_output(
     plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
-) -> dict:
-    """Write the manifest into staging and rename staging into place. With expected_digest
-    (replay), a merge that does not reproduce it is never published."""
+) -> tuple[dict, list[dict]]:
+    """Write the manifest into staging and publish (rename, or upload with the manifest last).
+    With expected_digest (replay), a merge that does not reproduce it is never published.
+    Returns the manifest and the ledger rows of the upload."""
     plan, _ = load_plan(plan_dir)
     manifest = build_manifest(plan, output, run)
     if expected_digest is not None and manifest["digest"] != expected_digest:
         raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
     write_manifest(Path(staging), manifest)
-    writer.publish(Path(staging), Path(out), overwrite)
-    return manifest
+    ledger = ByteLedger()
+    rep = progress.reporter()
+    if is_remote(out):
+        rep.start("upload", sum(p.stat().st_size for p in Path(staging).iterdir()), "B")
+    try:
+        writer.publish(Path(staging), out, overwrite, ledger, progress=lambda n: rep.advance("upload", n))
+    finally:
+        rep.finish("upload")
+    return manifest, ledger.rows()
 
 
 @task(name="record-run", cache_policy=NO_CACHE)

@@ -1,0 +1,91 @@
+"""Where bytes live: local paths, or fsspec URIs (s3://bucket/prefix) with their filesystems.
+
+Storage options (credentials, endpoint) are held here for the process and never travel in
+plans, manifests, task parameters or logs: a flow sets them once from its config, and every
+storage call finds them here. Without them, s3fs falls back to the usual AWS environment
+variables (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, AWS_PROFILE, …) and profiles."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import threading
+from typing import Any
+
+from ..errors import BadInput
+
+_lock = threading.Lock()
+_options: dict[str, Any] = {}
+
+# Listings must be fresh: a cached listing would hide an object overwritten or deleted since.
+_DEFAULTS = {"s3": {"use_listings_cache": False}}
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def protocol(uri: str) -> str:
+    return uri.split("://", 1)[0] if is_remote(uri) else "file"
+
+
+def join(root: str, *names: str) -> str:
+    if is_remote(root):
+        return posixpath.join(root.rstrip("/"), *names)
+    return os.path.join(root, *names)
+
+
+def split(uri: str) -> tuple[str, str]:
+    """(parent, name) of a file's location."""
+    if is_remote(uri):
+        head, _, name = uri.rstrip("/").rpartition("/")
+        return head, name
+    return os.path.split(uri)
+
+
+def normalize(uri: str) -> str:
+    """A remote URI without a trailing slash or doubled slashes in its key."""
+    if not is_remote(uri):
+        return uri
+    proto, rest = uri.split("://", 1)
+    parts = [p for p in rest.split("/") if p]
+    if not parts:
+        raise BadInput(f"{uri}: no bucket in the URI")
+    return f"{proto}://{'/'.join(parts)}"
+
+
+def inside(child: str, parent: str) -> bool:
+    """Whether `child` is `parent` or lies under it (remote URIs, compared as keys)."""
+    child, parent = normalize(child).rstrip("/"), normalize(parent).rstrip("/")
+    return child == parent or child.startswith(parent + "/")
+
+
+def set_storage_options(options: dict[str, Any] | None) -> None:
+    """Options for every remote filesystem this process opens (from a config's storage_options)."""
+    global _options
+    with _lock:
+        _options = dict(options or {})
+
+
+def filesystem(uri: str):
+    """The fsspec filesystem for a remote URI. fsspec caches instances by their arguments."""
+    proto = protocol(uri)
+    try:
+        import fsspec
+
+        cls = fsspec.get_filesystem_class(proto)
+    except (ImportError, ValueError) as err:
+        hint = " (install mergepipe[s3])" if proto in ("s3", "s3a") else ""
+        raise BadInput(f"{uri}: no filesystem for {proto}://{hint}: {err}") from None
+    with _lock:
+        opts = {**_DEFAULTS.get(proto, {}), **_options}
+    try:
+        return cls(**opts)
+    except TypeError as err:
+        # The message names the offending keyword, never a value.
+        raise BadInput(f"storage_options: not accepted by the {proto}:// filesystem ({err})") from None
+
+
+def fs_path(uri: str) -> str:
+    """The path as the filesystem names it (no protocol)."""
+    return uri.split("://", 1)[1]

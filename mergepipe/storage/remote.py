@@ -1,0 +1,208 @@
+"""Object-store I/O through fsspec (s3fs): exact ranged reads, listings, uploads, retries.
+
+Reads use `cat_ranges` (no read-ahead cache, each range one GET with a Range header), a bounded
+number in flight. Every call is retried on transient failures (5xx, throttling, resets,
+timeouts, short bodies) with exponential backoff and full jitter; a body shorter than its
+range is never accepted. Missing objects and denied access are not transient.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from ..errors import BadInput, MergepipeError
+from .fingerprints import FileFingerprint
+from .location import filesystem, fs_path, protocol
+
+log = logging.getLogger("mergepipe.storage")
+
+T = TypeVar("T")
+
+ATTEMPTS = int(os.environ.get("MERGEPIPE_REMOTE_ATTEMPTS", "6"))
+CONCURRENCY = int(os.environ.get("MERGEPIPE_REMOTE_CONCURRENCY", "8"))
+BACKOFF_BASE_S = float(os.environ.get("MERGEPIPE_REMOTE_BACKOFF_S", "0.2"))
+BACKOFF_CAP_S = 10.0
+HASH_CHUNK = 8 * 1024 * 1024
+# Parts of multipart uploads; files under twice this size go up in one PUT.
+PART_SIZE = int(os.environ.get("MERGEPIPE_UPLOAD_PART_SIZE", str(64 * 1024 * 1024)))
+
+
+class ShortRead(OSError):
+    """A body shorter (or longer) than the range asked for."""
+
+
+# errno values s3fs gives to S3 errors that a retry cannot fix (bad request, too large,
+# redirect, not allowed, …); 5xx and throttling map to EBUSY/EREMOTEIO and stay retryable.
+_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.ENOSYS, errno.EPERM,
+                     errno.ENOTEMPTY, getattr(errno, "EREMCHG", errno.ENOENT)}
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError, BadInput)):
+        return False
+    if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
+        return False
+    return isinstance(exc, Exception)
+
+
+def _final(exc: BaseException, uri: str, what: str) -> Exception:
+    """The error a user sees, naming the object."""
+    if isinstance(exc, FileNotFoundError):
+        return BadInput(f"{uri}: object not found")
+    if isinstance(exc, PermissionError):
+        return BadInput(f"{uri}: access denied ({what})")
+    if isinstance(exc, BadInput):
+        return exc
+    tried = f" after {ATTEMPTS} attempts" if is_transient(exc) else ""
+    return MergepipeError(f"{uri}: {what} failed{tried}: {type(exc).__name__}: {exc}")
+
+
+def backoff(attempt: int) -> float:
+    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
+
+
+def retrying(uri: str, what: str, call: Callable[[], T]) -> T:
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            return call()
+        except Exception as exc:
+            if not is_transient(exc) or attempt == ATTEMPTS:
+                raise _final(exc, uri, what) from exc
+            log.info("%s: %s: transient %s, retrying", uri, what, type(exc).__name__)
+            time.sleep(backoff(attempt))
+    raise AssertionError("unreachable")
+
+
+def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
+    """The bytes of each (uri, start, end) range, fetched concurrently (at most CONCURRENCY in
+    flight); ranges that fail are fetched again, whole. All URIs share one protocol."""
+    if not items:
+        return []
+    fs = filesystem(items[0][0])
+    out: list[bytearray | None] = [bytearray() if e <= s else None for _, s, e in items]
+    todo = [i for i, v in enumerate(out) if v is None]
+    last: BaseException | None = None
+    for attempt in range(1, ATTEMPTS + 1):
+        if not todo:
+            break
+        got = fs.cat_ranges(
+            [fs_path(items[i][0]) for i in todo], [items[i][1] for i in todo], [items[i][2] for i in todo],
+            on_error="return", batch_size=CONCURRENCY,
+        )
+        failed = []
+        for i, data in zip(todo, got):
+            uri, start, end = items[i]
+            if isinstance(data, BaseException):
+                if not is_transient(data):
+                    raise _final(data, uri, f"read of bytes {start}-{end}") from data
+                last = data
+                failed.append(i)
+            elif len(data) != end - start:
+                last = ShortRead(f"got {len(data)} bytes for the {end - start}-byte range {start}-{end}")
+                failed.append(i)
+            else:
+                out[i] = bytearray(data)
+        todo = failed
+        if todo and attempt < ATTEMPTS:
+            log.info("%s: %d ranged reads failed (%s), retrying", items[todo[0]][0], len(todo), type(last).__name__)
+            time.sleep(backoff(attempt))
+    if todo:
+        uri, start, end = items[todo[0]]
+        raise _final(last, uri, f"read of bytes {start}-{end}")
+    return out  # type: ignore[return-value]
+
+
+def read_ranges(uri: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
+    return fetch([(uri, s, e) for s, e in ranges])
+
+
+def read_all(uri: str) -> bytes:
+    """A whole small object (index json, config, manifest)."""
+    fs = filesystem(uri)
+    return retrying(uri, "read", lambda: fs.cat_file(fs_path(uri)))
+
+
+def stat(uri: str) -> FileFingerprint | None:
+    """The object's fingerprint, or None when there is no object at that key."""
+    fs = filesystem(uri)
+
+    def call():
+        try:
+            info = fs.info(fs_path(uri))
+        except FileNotFoundError:
+            return None
+        if info.get("type") != "file":
+            return None
+        etag = (info.get("ETag") or info.get("etag") or "").strip('"') or None
+        return FileFingerprint(size=int(info["size"]), etag=etag, version_id=info.get("VersionId") or None)
+
+    return retrying(uri, "stat", call)
+
+
+def list_folder(uri: str) -> list[str] | None:
+    """Names of the objects directly under a prefix; None when nothing is there."""
+    fs = filesystem(uri)
+    path = fs_path(uri).rstrip("/")
+
+    def call():
+        try:
+            entries = fs.ls(path, detail=True)
+        except FileNotFoundError:
+            return None
+        return sorted(e["name"].rsplit("/", 1)[-1] for e in entries if e.get("type") == "file")
+
+    names = retrying(uri, "list", call)
+    return names or None
+
+
+def list_tree(uri: str) -> list[str]:
+    """Every object under a prefix, as paths relative to it."""
+    fs = filesystem(uri)
+    path = fs_path(uri).rstrip("/")
+    found = retrying(uri, "list", lambda: fs.find(path))
+    return sorted(p[len(path) + 1 :] for p in found if p.startswith(path + "/"))
+
+
+def sha256(uri: str, size: int, progress: Callable[[int], None] | None = None) -> str:
+    """Hash an object by streaming it in ranged reads of HASH_CHUNK bytes."""
+    h = hashlib.sha256()
+    for start in range(0, size, HASH_CHUNK):
+        (chunk,) = read_ranges(uri, [(start, min(size, start + HASH_CHUNK))])
+        h.update(chunk)
+        if progress:
+            progress(len(chunk))
+    return h.hexdigest()
+
+
+def upload(local_path: str, uri: str) -> int:
+    """Upload one file (multipart above 2 x PART_SIZE); a failed upload is retried whole."""
+    fs = filesystem(uri)
+    kwargs = {"chunksize": PART_SIZE} if protocol(uri) in ("s3", "s3a") else {}
+    retrying(uri, "upload", lambda: fs.put_file(local_path, fs_path(uri), **kwargs))
+    return os.path.getsize(local_path)
+
+
+def write_all(uri: str, data: bytes) -> None:
+    fs = filesystem(uri)
+    retrying(uri, "write", lambda: fs.pipe_file(fs_path(uri), data))
+
+
+def delete(uris: list[str]) -> None:
+    for uri in uris:
+        fs = filesystem(uri)
+
+        def call(fs=fs, uri=uri):
+            try:
+                fs.rm_file(fs_path(uri))
+            except FileNotFoundError:
+                pass
+
+        retrying(uri, "delete", call)
