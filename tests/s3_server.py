@@ -58,6 +58,8 @@ class S3Proxy:
         self.kinds: list[str] | None = None  # which faults to draw from (None: all that apply)
         self.rng = random.Random(0)
         self.exchanges: list[Exchange] = []
+        self.in_flight = 0
+        self.peak_in_flight = 0  # most requests being served at once since the last reset
         self.hook = None  # called with (method, key) before a request is forwarded
         self._lock = threading.Lock()
         proxy = self
@@ -87,6 +89,24 @@ class S3Proxy:
                 return self.rfile.read(n) if n else b""
 
             def _handle(self):
+                with proxy._lock:
+                    proxy.in_flight += 1
+                    proxy.peak_in_flight = max(proxy.peak_in_flight, proxy.in_flight)
+                self._held = True
+                try:
+                    self._forward()
+                finally:
+                    self._release()
+
+            def _release(self):
+                """Called before the last bytes of a response go out: once the client has its
+                answer it may send the next request, which must not count as overlapping."""
+                if self._held:
+                    self._held = False
+                    with proxy._lock:
+                        proxy.in_flight -= 1
+
+            def _forward(self):
                 method = self.command
                 body = self._body()
                 key = unquote(urlsplit(self.path).path).lstrip("/")
@@ -95,6 +115,7 @@ class S3Proxy:
                     proxy.hook(method, key)
                 fault = proxy._draw_fault(method, key)
                 if fault == "drop":
+                    self._release()
                     self.close_connection = True
                     try:
                         self.connection.shutdown(socket.SHUT_RDWR)
@@ -106,6 +127,7 @@ class S3Proxy:
                     self.send_response(503)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(SLOW_DOWN)))
+                    self._release()
                     self.end_headers()
                     if method != "HEAD":
                         self.wfile.write(SLOW_DOWN)
@@ -129,6 +151,7 @@ class S3Proxy:
                         self.send_header(k, v)
                 length = resp.getheader("Content-Length") if method == "HEAD" else str(len(data))
                 self.send_header("Content-Length", length or "0")
+                self._release()
                 self.end_headers()
                 sent = data if method != "HEAD" else b""
                 if fault == "truncate" and len(sent) > 1:
@@ -168,6 +191,7 @@ class S3Proxy:
     def reset(self, fault_rate: float = 0.0, seed: int = 0, kinds: list[str] | None = None) -> None:
         with self._lock:
             self.exchanges = []
+            self.peak_in_flight = self.in_flight
             self.fault_rate = fault_rate
             self.kinds = kinds
             self.rng = random.Random(seed)

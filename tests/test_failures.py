@@ -49,3 +49,15 @@ def test_a_persistent_failure_publishes_nothing_and_leaves_no_staging(bf16_famil
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+
+
+def test_an_output_that_would_contain_an_input_is_refused(bf16_family, tmp_path, session_catalog):
+    """With --overwrite, publishing over a folder that holds an input would delete the input."""
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    from mergepipe.errors import BadInput
+
+    with pytest.raises(BadInput, match="lies inside the output folder"):
+        merge(config=str(cfg), out=str(bf16_family.base.parent), overwrite=True, catalog=session_catalog)
+    with pytest.raises(BadInput, match="output folder lies inside the input model folder"):
+        merge(config=str(cfg), out=str(bf16_family.base / "merged"), catalog=session_catalog)
+    assert (bf16_family.base / "config.json").exists()

@@ -74,3 +74,40 @@ def test_family_mismatch_is_refused_before_reading_data(tmp_path):
     replace_model(fam.experts[0], tensors)
     with pytest.raises(BadInput, match="up_proj.weight.*missing"):
         index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))
+
+
+def test_schema_1_catalog_is_upgraded_in_place(tmp_path):
+    """A catalog written by the first release (local fingerprints only) gains the object-store
+    columns and keeps its rows."""
+    from mergepipe.catalog import db
+
+    path = tmp_path / "old.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE catalog_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+    con.execute("INSERT INTO catalog_meta VALUES ('schema_version', '1')")
+    con.execute(
+        "CREATE TABLE model_files (model_fp VARCHAR NOT NULL, file VARCHAR NOT NULL, size BIGINT NOT NULL, "
+        "mtime_ns BIGINT NOT NULL, ctime_ns BIGINT NOT NULL, inode BIGINT NOT NULL, header_bytes BIGINT NOT NULL, "
+        "PRIMARY KEY (model_fp, file))"
+    )
+    con.execute("INSERT INTO model_files VALUES ('fp', 'model.safetensors', 10, 1, 2, 3, 4)")
+    con.close()
+    with db.connect(path) as con:
+        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("2",)]
+        con.execute("INSERT INTO model_files (model_fp, file, size, header_bytes, etag) VALUES ('fp2', 'a', 1, 1, 'e')")
+        rows = con.execute("SELECT model_fp, mtime_ns, etag FROM model_files ORDER BY model_fp").fetchall()
+    assert rows == [("fp", 1, None), ("fp2", None, "e")]
+
+
+def test_newer_catalog_is_refused(tmp_path):
+    from mergepipe.catalog import db
+    from mergepipe.errors import MergepipeError
+
+    path = tmp_path / "new.duckdb"
+    con = duckdb.connect(str(path))
+    con.execute("CREATE TABLE catalog_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
+    con.execute("INSERT INTO catalog_meta VALUES ('schema_version', '99')")
+    con.close()
+    with pytest.raises(MergepipeError, match="schema version 99"):
+        with db.connect(path):
+            pass

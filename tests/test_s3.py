@@ -83,6 +83,11 @@ def test_s3_to_s3_and_s3_to_local_give_the_local_digest(s3, families, catalog, l
     want = local_reference[budget]
     assert to_s3["digest"] == to_local["digest"] == want["digest"]
     assert to_s3["expert_bytes_read"] == want["expert_bytes_read"] == want["expert_bytes_planned"]
+    # The ledger counts S3 bytes as it counts local ones.
+    for role in ("base", "expert", "output", "checksum", "sidecar"):
+        assert to_s3["bytes"][role] == to_local["bytes"][role] == want["bytes"][role], role
+    assert to_s3["bytes"]["upload"] > sum(p.stat().st_size for p in Path(want["out"]).glob("*.safetensors"))
+    assert to_local["bytes"]["upload"] == 0
     # The uploaded shards are byte for byte the local output's.
     local_out = Path(want["out"])
     for shard in sorted(local_out.glob("*.safetensors")):
@@ -242,9 +247,60 @@ def test_multipart_upload_and_exact_ranges(s3, tmp_path, monkeypatch):
     )
 
 
+def test_ranges_are_fetched_concurrently_with_a_bound(s3, monkeypatch):
+    data = os.urandom(200 * 1024)
+    s3.client().put_object(Bucket=BUCKET, Key="conc/x.bin", Body=data)
+    monkeypatch.setattr(remote, "CONCURRENCY", 4)
+    s3.proxy.reset()
+    ranges = [(i * 4096, i * 4096 + 1000) for i in range(40)]
+    assert remote.read_ranges(f"s3://{BUCKET}/conc/x.bin", ranges) == [data[s:e] for s, e in ranges]
+    assert 1 < s3.proxy.peak_in_flight <= 4
+
+
+def test_fingerprint_carries_the_version_id_of_a_versioned_bucket(s3):
+    client = s3.client()
+    client.create_bucket(Bucket="ckpt-versioned")
+    client.put_bucket_versioning(Bucket="ckpt-versioned", VersioningConfiguration={"Status": "Enabled"})
+    first = client.put_object(Bucket="ckpt-versioned", Key="m/x.bin", Body=b"one")["VersionId"]
+    assert remote.stat("s3://ckpt-versioned/m/x.bin").version_id == first
+    second = client.put_object(Bucket="ckpt-versioned", Key="m/x.bin", Body=b"two")["VersionId"]
+    fp = remote.stat("s3://ckpt-versioned/m/x.bin")
+    assert fp.version_id == second != first and fp.size == 3
+
+
+def test_replay_from_s3_to_s3(s3, families, catalog, local_reference, tmp_path):
+    from mergepipe.flows.replay import replay
+
+    _, remote_fam = families
+    cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="25%")
+    merge(config=str(cfg), out=f"s3://{BUCKET}/out/to-replay", catalog=catalog)
+    again = replay(manifest=f"s3://{BUCKET}/out/to-replay", out=f"s3://{BUCKET}/out/replayed", catalog=catalog)
+    assert again["digest"] == local_reference["25%"]["digest"]
+    assert verify_output(f"s3://{BUCKET}/out/replayed").ok
+
+
+def test_output_to_a_missing_bucket_is_refused_before_any_work(s3, families, catalog, tmp_path):
+    _, remote_fam = families
+    cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="25%")
+    with pytest.raises(BadInput, match="bucket 'no-such-bucket' not found"):
+        merge(config=str(cfg), out="s3://no-such-bucket/out", catalog=catalog)
+
+
+def test_output_over_foreign_objects_needs_overwrite(s3, families, catalog, tmp_path):
+    _, remote_fam = families
+    s3.client().put_object(Bucket=BUCKET, Key="out/foreign/notes.txt", Body=b"keep me")
+    cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="25%")
+    with pytest.raises(BadInput, match="notes.txt"):
+        merge(config=str(cfg), out=f"s3://{BUCKET}/out/foreign", catalog=catalog)
+    assert keys_under(s3, "out/foreign") == ["notes.txt"]
+    with pytest.raises(BadInput, match="lies inside the output folder"):
+        merge(config=str(cfg), out=f"s3://{BUCKET}/fam", overwrite=True, catalog=catalog)
+
+
 def test_short_bodies_are_never_accepted(s3, tmp_path, monkeypatch):
     s3.client().put_object(Bucket=BUCKET, Key="short/x.bin", Body=b"x" * 10_000)
     monkeypatch.setattr(remote, "BACKOFF_BASE_S", 0.001)
+    monkeypatch.setattr(remote, "ATTEMPTS", 2)
     s3.proxy.reset(fault_rate=1.0, kinds=["truncate"])
     try:
         with pytest.raises(MergepipeError, match=r"short/x.bin: read of bytes 100-5100 failed after \d+ attempts"):

@@ -125,3 +125,44 @@ def test_declared_header_over_limit_is_rejected_unallocated():
 
     with pytest.raises(BadInput, match="exceeds"):
         header_length(struct.pack("<Q", 200 * 2**20), 10**10, "big.safetensors")
+
+
+def test_index_reads_runs_of_whole_blocks():
+    from mergepipe.indexing import chunk_blocks
+
+    blocks = [(0, 4), (4, 8), (8, 12), (12, 13)]
+    assert chunk_blocks(blocks, row_bytes=100, chunk=800) == [[0, 1], [2, 3]]
+    assert chunk_blocks(blocks, row_bytes=100, chunk=10) == [[0], [1], [2], [3]]  # a block never splits
+    assert chunk_blocks(blocks, row_bytes=100, chunk=10_000) == [[0, 1, 2, 3]]
+    assert chunk_blocks([], row_bytes=100) == []
+
+
+def test_locations_and_output_names():
+    from mergepipe.storage.location import inside, join, normalize, split
+    from mergepipe.storage.writer import is_output_name, upload_order
+
+    assert normalize("s3://bkt//a/b/") == "s3://bkt/a/b"
+    assert join("s3://bkt/a/", "x.json") == "s3://bkt/a/x.json"
+    assert split("s3://bkt/a/x.json") == ("s3://bkt/a", "x.json")
+    assert inside("s3://bkt/a/b", "s3://bkt/a") and inside("s3://bkt/a", "s3://bkt/a/")
+    assert not inside("s3://bkt/ab", "s3://bkt/a")
+    assert all(map(is_output_name, ["model-00001-of-00002.safetensors", "model.safetensors", "config.json",
+                                    "mergepipe-manifest.json", "mergepipe-access.parquet"]))
+    assert not is_output_name("notes.txt") and not is_output_name("sub/model.safetensors")
+    names = ["mergepipe-manifest.json", "config.json", "model-00002-of-00002.safetensors",
+             "model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    order = upload_order(names)
+    assert order[:2] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert order[-1] == "mergepipe-manifest.json" and sorted(order) == sorted(names)
+
+
+def test_storage_options_are_never_shown(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(
+        "merge_method: linear\nbase_model: s3://b/base\nmodels:\n  - model: s3://b/x\n    parameters: {weight: 1}\n"
+        "storage_options: {key: AKIAX, secret: hush-hush-123}\n"
+    )
+    spec = load_spec(cfg)
+    assert spec.storage_options["secret"] == "hush-hush-123"
+    assert "hush-hush-123" not in repr(spec) and "hush-hush-123" not in str(spec)
+    assert "storage_options" not in json.dumps(spec.content())

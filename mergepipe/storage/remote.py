@@ -163,6 +163,14 @@ def list_folder(uri: str) -> list[str] | None:
     return names or None
 
 
+def check_bucket(uri: str) -> None:
+    """Fail early, and clearly, when the bucket of a URI is not there."""
+    fs = filesystem(uri)
+    bucket = fs_path(uri).split("/", 1)[0]
+    if not retrying(uri, "bucket check", lambda: fs.exists(bucket)):
+        raise BadInput(f"{uri}: bucket {bucket!r} not found (or not accessible with these credentials)")
+
+
 def list_tree(uri: str) -> list[str]:
     """Every object under a prefix, as paths relative to it."""
     fs = filesystem(uri)

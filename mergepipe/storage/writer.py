@@ -78,6 +78,7 @@ def check_destination(out: str | Path, overwrite: bool, inputs: list[str]) -> st
 
 
 def _check_remote_destination(out: str, overwrite: bool) -> None:
+    remote.check_bucket(out)
     if stat(out) is not None:
         raise BadInput(f"{out}: is an object, not a prefix")
     if overwrite:
