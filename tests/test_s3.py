@@ -410,3 +410,33 @@ def test_credentials_never_leak(s3, families, tmp_path):
         assert secret not in text, where
         assert key_id not in text, where
     assert secret.encode() not in stored  # plans, spool, Prefect's database, catalog file
+
+
+def test_missing_credentials_are_a_clear_error(s3, families, catalog, tmp_path, monkeypatch):
+    _, remote_fam = families
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    # Distinct storage options, so fsspec builds a new client instead of reusing a cached one.
+    cfg = config_for(tmp_path, remote_fam, "task_arithmetic", storage_options={"endpoint_url": s3.endpoint})
+    result = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2, result.output
+    assert "s3://ckpt/fam/base" in result.output and "no usable credentials" in result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_transient_and_permanent_failures_are_told_apart():
+    import errno
+
+    from botocore.exceptions import ConnectionClosedError, NoCredentialsError, ReadTimeoutError
+
+    assert remote.is_transient(ConnectionClosedError(endpoint_url="http://x"))
+    assert remote.is_transient(ReadTimeoutError(endpoint_url="http://x"))
+    assert remote.is_transient(OSError(errno.EBUSY, "SlowDown"))
+    assert remote.is_transient(remote.ShortRead("got 3 bytes"))
+    assert not remote.is_transient(NoCredentialsError())
+    assert not remote.is_transient(FileNotFoundError("gone"))
+    assert not remote.is_transient(PermissionError("denied"))
+    assert not remote.is_transient(OSError(errno.EINVAL, "InvalidRange"))

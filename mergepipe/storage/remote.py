@@ -44,13 +44,30 @@ _PERMANENT_ERRNOS = {errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.ENO
                      errno.ENOTEMPTY, getattr(errno, "EREMCHG", errno.ENOENT)}
 
 
+def _botocore_permanent(exc: BaseException) -> bool:
+    """botocore's own errors (no credentials, bad parameters, no region, …) are permanent;
+    its connection, timeout and body-streaming errors are not."""
+    try:
+        from botocore import exceptions as bx
+    except ImportError:
+        return False
+    retryable = (bx.HTTPClientError, bx.IncompleteReadError, bx.ResponseStreamingError)
+    return isinstance(exc, bx.BotoCoreError) and not isinstance(exc, retryable)
+
+
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
                         NotADirectoryError, BadInput)):
         return False
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
         return False
+    if _botocore_permanent(exc):
+        return False
     return isinstance(exc, Exception)
+
+
+def _is_credentials_error(exc: BaseException) -> bool:
+    return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
 
 
 def _final(exc: BaseException, uri: str, what: str) -> Exception:
@@ -59,6 +76,11 @@ def _final(exc: BaseException, uri: str, what: str) -> Exception:
         return BadInput(f"{uri}: object not found")
     if isinstance(exc, PermissionError):
         return BadInput(f"{uri}: access denied ({what})")
+    if _is_credentials_error(exc):
+        return BadInput(
+            f"{uri}: no usable credentials ({exc}); set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "AWS_PROFILE, or the config's storage_options"
+        )
     if isinstance(exc, BadInput):
         return exc
     tried = f" after {ATTEMPTS} attempts" if is_transient(exc) else ""
