@@ -20,7 +20,7 @@ import torch
 from .canonical import digest_of
 from .errors import BadInput
 from .family import Family, expert_label
-from .layout import block_rows, byte_range, layer_group
+from .layout import block_rows, byte_range, layer_group, row_elems
 from .storage.model_files import ModelFiles
 from .storage.reader import RangeReader, ReadRequest
 from .storage.safetensors_format import DTYPES, decode
@@ -131,8 +131,7 @@ def compute_stats(
         dt = DTYPES[info.dtype]
         is_float = dt.is_float
         blocks = block_rows(info.shape, dt.itemsize, block_size)
-        row_bytes = max(1, _block_ranges(family.base, name, [(0, 1)])[0][1] - info.start) if info.shape else 1
-        for run in chunk_blocks(blocks, row_bytes):
+        for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
             rows = [blocks[b] for b in run]
             per_model = [_block_ranges(m, name, rows) for _, _, m in models]
             requests = [

@@ -15,10 +15,10 @@ from .. import progress
 from ..errors import MergepipeError
 from ..family import Family
 from ..manifest import MANIFEST_FILE, versions
-from ..storage.location import join
 from ..planning import Plan
 from ..spec import MergeSpec
 from ..storage import writer
+from ..storage.location import join
 from ..storage.ledger import ByteLedger
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
 from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, load_plan
