@@ -13,6 +13,7 @@ import http.client
 import random
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
@@ -59,6 +60,7 @@ class S3Proxy:
         self.rng = random.Random(0)
         self.exchanges: list[Exchange] = []
         self.in_flight = 0
+        self.active = 0  # handlers not done recording (a client may have its answer already)
         self.peak_in_flight = 0  # most requests being served at once since the last reset
         self.hook = None  # called with (method, key) before a request is forwarded
         self._lock = threading.Lock()
@@ -91,12 +93,15 @@ class S3Proxy:
             def _handle(self):
                 with proxy._lock:
                     proxy.in_flight += 1
+                    proxy.active += 1
                     proxy.peak_in_flight = max(proxy.peak_in_flight, proxy.in_flight)
                 self._held = True
                 try:
                     self._forward()
                 finally:
                     self._release()
+                    with proxy._lock:
+                        proxy.active -= 1
 
             def _release(self):
                 """Called before the last bytes of a response go out: once the client has its
@@ -198,8 +203,13 @@ class S3Proxy:
             self.hook = None
 
     def taken(self) -> list[Exchange]:
-        with self._lock:
-            return list(self.exchanges)
+        """What was exchanged so far, once every handler has recorded its exchange."""
+        deadline = time.monotonic() + 10
+        while True:
+            with self._lock:
+                if self.active == 0 or time.monotonic() > deadline:
+                    return list(self.exchanges)
+            time.sleep(0.01)
 
     def close(self) -> None:
         self.server.shutdown()
