@@ -220,11 +220,6 @@ def upload(local_path: str, uri: str) -> int:
     return os.path.getsize(local_path)
 
 
-def write_all(uri: str, data: bytes) -> None:
-    fs = filesystem(uri)
-    retrying(uri, "write", lambda: fs.pipe_file(fs_path(uri), data))
-
-
 def delete(uris: list[str]) -> None:
     for uri in uris:
         fs = filesystem(uri)
