@@ -102,3 +102,26 @@ def test_replay_refuses_a_changed_input(bf16_family, tmp_path, session_catalog):
     assert result.exit_code == 2, result.output
     assert "expert-1" in result.output and "changed" in result.output
     assert not (tmp_path / "again").exists()
+
+
+def test_merge_artifacts_can_be_read_back_from_the_api(bf16_family, tmp_path, session_catalog):
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from mergepipe.flows.artifacts import PLAN_KEY, SUMMARY_KEY
+
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="30%")
+    result = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert result["flow_run_id"]
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[result["flow_run_id"]]))
+        )
+    by_key = {a.key: a for a in found}
+    assert set(by_key) == {PLAN_KEY, SUMMARY_KEY}
+    table = json.loads(by_key[PLAN_KEY].data)
+    assert sum(r["selected_bytes"] for r in table) == result["expert_bytes_planned"]
+    assert {r["expert"] for r in table} == {0, 1, 2}
+    summary = by_key[SUMMARY_KEY].data
+    assert result["digest"] in summary and str(result["expert_bytes_read"]) in summary
+    assert f"file://{tmp_path / 'out'}" in summary

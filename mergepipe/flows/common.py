@@ -20,6 +20,7 @@ from ..spec import MergeSpec
 from ..storage import writer
 from ..storage.location import join
 from ..storage.ledger import ByteLedger
+from .artifacts import summary_artifact
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
 from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, load_plan
 
@@ -159,7 +160,8 @@ def execute_plan(
         manifest,
         manifest_json,
     )
-    return {
+    result = {
+        "kind": kind,
         "digest": manifest["digest"],
         "plan_digest": plan.plan_digest,
         "out": out,
@@ -176,4 +178,7 @@ def execute_plan(
         "pairs": plan.n_pairs,
         "wall_seconds": time.perf_counter() - t0,
         "timings": timings,
+        "flow_run_id": flow_run_id(),
     }
+    summary_artifact(result)
+    return result

@@ -11,6 +11,7 @@ from ..spec import MergeSpec, load_spec
 from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
+from .artifacts import plan_artifact
 from .common import execute_plan, now, run_index, worker_count
 
 
@@ -29,6 +30,12 @@ def plan(config: str, budget: str | None = None, max_error: float | None = None,
     spec = spec_with_overrides(config, budget, max_error)
     outcome = run_index(spec, catalog)
     p, explain, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    result = plan_result(p, spec, explain, plan_dir)
+    plan_artifact(result)
+    return result
+
+
+def plan_result(p, spec: MergeSpec, explain: list[dict], plan_dir: str) -> dict:
     return {
         "plan_digest": p.plan_digest,
         "plan_dir": plan_dir,
@@ -61,7 +68,8 @@ def merge(
     out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
     outcome = run_index(spec, catalog)
     t_plan = time.perf_counter()
-    p, _, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    p, explain, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    plan_artifact(plan_result(p, spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
     return execute_plan(
         p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="merge",

@@ -1,0 +1,63 @@
+"""Prefect artifacts of a run: the plan's explain table and the manifest summary.
+
+They show in the Prefect UI next to the run and can be read back from the API. They hold
+locations, digests and byte counts, never storage options."""
+
+from __future__ import annotations
+
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from ..storage.location import is_remote
+
+PLAN_KEY = "merge-plan"
+SUMMARY_KEY = "merge-summary"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def plan_artifact(plan: dict) -> None:
+    """One row per (layer, expert): bytes selected of the expert's bytes, energy captured."""
+    rows = [
+        {
+            "layer": r["layer"],
+            "expert": r["expert"],
+            "selected_bytes": int(r["selected_bytes"]),
+            "expert_bytes": int(r["expert_bytes"]),
+            "energy_captured": round(r["captured_energy"] / r["delta_energy"], 6) if r["delta_energy"] else None,
+        }
+        for r in plan["explain"]
+    ]
+    create_table_artifact(
+        key=PLAN_KEY,
+        table=rows,
+        description=(
+            f"Plan {plan['plan_digest'][:16]} ({plan['merge_method']}): {_mib(plan['expert_bytes_planned'])} planned "
+            f"of a {_mib(plan['budget_bytes'])} budget (full {_mib(plan['full_expert_bytes'])}), "
+            f"error bound {plan['error_bound']:.6g}{'' if plan['bound_guaranteed'] else ' (heuristic)'}"
+        ),
+    )
+
+
+def _link(uri: str) -> str:
+    return uri if is_remote(uri) else f"file://{uri}"
+
+
+def summary_artifact(result: dict) -> None:
+    lines = [
+        f"### {result['kind']} {result['digest'][:16]}",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| digest | `{result['digest']}` |",
+        f"| merge method | {result['merge_method']} |",
+        f"| output | [{result['out']}]({_link(result['out'])}) |",
+        f"| manifest | [{result['manifest']}]({_link(result['manifest'])}) |",
+        f"| budget | {_mib(result['budget_bytes'])} of {_mib(result['full_expert_bytes'])} |",
+        f"| expert bytes planned | {result['expert_bytes_planned']} |",
+        f"| expert bytes read | {result['expert_bytes_read']} |",
+        f"| error bound | {result['error_bound']:.6g}{'' if result['bound_guaranteed'] else ' (heuristic)'} |",
+        f"| wall time | {result['wall_seconds']:.1f} s |",
+    ]
+    create_markdown_artifact(key=SUMMARY_KEY, markdown="\n".join(lines), description=f"{result['kind']} {result['digest'][:16]}")
