@@ -271,6 +271,26 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
 
 
 @app.command()
+def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once (default: no limit).")) -> None:
+    """Serve mergepipe's deployments (index, merge, sweep, merge-nightly) without a work pool.
+
+    Runs start in child processes of this one when triggered from the Prefect UI, the API or
+    `prefect deployment run`. Point PREFECT_API_URL at a Prefect server first."""
+    # A long-running service: show what Prefect reports about each run.
+    os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
+    os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = "INFO"
+
+    def go() -> None:
+        from prefect import serve as prefect_serve
+
+        from .flows.deployments import runner_deployments
+
+        prefect_serve(*runner_deployments(), limit=limit)
+
+    run_command(go)
+
+
+@app.command()
 def demo(out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder for the family, catalog and outputs."),
          as_json: bool = JsonOpt) -> None:
     """Build a small family, index it, plan and merge it at 25% and 100%, verify the outputs."""

@@ -82,3 +82,15 @@ def s3(session_dir):
             else:
                 os.environ[k] = v
         server.close()
+
+
+@pytest.fixture(scope="session")
+def prefect_server(session_dir):
+    """A real Prefect server on loopback, started on first use, once per test session."""
+    from .prefect_server import PrefectServer
+
+    server = PrefectServer(session_dir / "prefect-server")
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -15,6 +15,17 @@ from .artifacts import plan_artifact
 from .common import execute_plan, now, run_index, worker_count
 
 
+def with_run_date(out: str) -> str:
+    """`{date}` in an output location becomes the run's scheduled date (UTC), so a scheduled
+    deployment writes each night's merge to its own folder."""
+    if "{date}" not in out:
+        return out
+    from prefect.runtime import flow_run
+
+    when = flow_run.scheduled_start_time
+    return out.replace("{date}", when.strftime("%Y-%m-%d"))
+
+
 def spec_with_overrides(config: str, budget: str | None, max_error: float | None) -> MergeSpec:
     spec = load_spec(config)
     set_storage_options(spec.storage_options)
@@ -65,6 +76,7 @@ def merge(
     t0 = time.perf_counter()
     started = now()
     spec = spec_with_overrides(config, budget, max_error)
+    out = with_run_date(out)
     out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
     outcome = run_index(spec, catalog)
     t_plan = time.perf_counter()

@@ -1,0 +1,63 @@
+"""The deployments mergepipe offers, in one place: `mergepipe serve` builds them from this list,
+and deployments/prefect.yaml declares the same ones for a work pool (a test keeps the two equal)."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+WORK_POOL = "mergepipe-process"
+NIGHTLY_CRON = "0 2 * * *"  # 02:00 UTC every day
+
+
+@dataclass(frozen=True)
+class DeploymentSpec:
+    name: str
+    # module:flow. Module paths, not file paths: Prefect loads a file entrypoint as a loose
+    # script, which breaks the package's relative imports.
+    entrypoint: str
+    description: str
+    parameters: dict = field(default_factory=dict)
+    cron: str | None = None
+
+
+DEPLOYMENTS = [
+    DeploymentSpec(
+        "index", "mergepipe.flows.index_family:index_family",
+        "Index a family's block statistics (parameters: config, catalog).",
+    ),
+    DeploymentSpec(
+        "merge", "mergepipe.flows.merge:merge",
+        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog). "
+        "{date} in out becomes the run's scheduled date.",
+    ),
+    DeploymentSpec(
+        "sweep", "mergepipe.flows.sweep:budget_sweep",
+        "Merge at several budgets, one output per budget under out (parameters: config, out, budgets).",
+    ),
+    DeploymentSpec(
+        "merge-nightly", "mergepipe.flows.merge:merge",
+        "The merge deployment on a schedule; its output folder carries the run date.",
+        parameters={"config": "configs/nightly.yaml", "out": "merges/nightly-{date}", "budget": "25%"},
+        cron=NIGHTLY_CRON,
+    ),
+]
+
+
+def load_flow(entrypoint: str):
+    """The flow object an entrypoint names, from the installed package."""
+    module, name = entrypoint.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def runner_deployments() -> list:
+    """The deployments as `flow.serve` runs them (no work pool: runs execute in the serving process's children)."""
+    from prefect.deployments.runner import EntrypointType
+
+    return [
+        load_flow(d.entrypoint).to_deployment(
+            name=d.name, description=d.description, parameters=d.parameters or None, cron=d.cron,
+            entrypoint_type=EntrypointType.MODULE_PATH,
+        )
+        for d in DEPLOYMENTS
+    ]
