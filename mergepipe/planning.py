@@ -108,6 +108,11 @@ class Plan:
     def expert_bytes_planned(self) -> int:
         return sum(self.planned_bytes)
 
+    @property
+    def base_tensor_bytes(self) -> int:
+        """Bytes of the base's tensors: the execution reads each once."""
+        return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape, _ in self.inputs[0].tensors.values())
+
     def merge_spec(self) -> MergeSpec:
         return MergeSpec.model_validate(self.spec)
 

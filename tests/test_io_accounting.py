@@ -101,3 +101,32 @@ def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
     allowance = len(files) * PAGE + 2 * PAGE * n_reads_bound  # header page + partial pages at each end
     assert r["expert_bytes_planned"] <= resident <= r["expert_bytes_planned"] + allowance
     assert resident < 0.5 * size
+
+
+def test_progress_reports_layer_groups_and_bytes_read(bf16_family, tmp_path, session_catalog):
+    from mergepipe import progress
+
+    class Recorder:
+        def __init__(self):
+            self.total, self.done, self.finished = {}, defaultdict(float), set()
+
+        def start(self, stage, total, unit):
+            self.total[stage] = (total, unit)
+
+        def advance(self, stage, amount):
+            self.done[stage] += amount
+
+        def finish(self, stage):
+            self.finished.add(stage)
+
+    rec = Recorder()
+    progress.set_reporter(rec)
+    try:
+        cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+        result = merge(config=str(cfg), out=str(tmp_path / "out"), budget="40%", catalog=session_catalog)
+    finally:
+        progress.set_reporter(None)
+    read = result["bytes"]["base"] + result["bytes"]["expert"]
+    assert rec.total["read"] == (read, "B") and rec.done["read"] == read
+    assert rec.total["merge"][1] == "groups" and rec.done["merge"] == rec.total["merge"][0] > 1
+    assert {"read", "merge"} <= rec.finished

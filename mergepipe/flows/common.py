@@ -99,13 +99,17 @@ def execute_plan(
         t_merge = time.perf_counter()
         groups = list(layout.groups)
         rep.start("merge", len(groups), "groups")
+        rep.start("read", plan.base_tensor_bytes + plan.expert_bytes_planned, "B")
         futures = [merge_layer_group.submit(plan_dir, g, staging) for g in groups]
         try:
             for fut in as_completed(futures):
-                ledger.merge(fut.result())
+                rows = fut.result()
+                ledger.merge(rows)
                 rep.advance("merge", 1)
+                rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
         finally:
             wait(futures)  # on failure, let running groups stop writing before staging goes
+            rep.finish("read")
             rep.finish("merge")
         timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
