@@ -3,6 +3,7 @@ operator in fp32, and write the result at its precomputed place in the staged ou
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from pathlib import Path
 
@@ -54,6 +55,9 @@ class GroupMerger:
         self.params = plan.merge_params()
         self.seed = spec.seed
         self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
+        # SHA-256 of the bytes this group writes, in layout order: what a resumed merge checks
+        # the staged bytes against before it trusts them.
+        self.written = hashlib.sha256()
 
     def _path(self, model_index: int, file: str) -> str:
         return join(self.plan.inputs[model_index].root, file)
@@ -89,6 +93,7 @@ class GroupMerger:
                     requests.append(self._expert_request(k, name, runs[k]))
         (raw,), *expert_raws = self.reader.read_batch(requests)
         if not dt.is_float:
+            self.written.update(raw)
             write_at(out_path, out.start, bytes(raw), self.ledger)
             return
         base = _compute(decode(raw, dtype, shape), self.compute_dtype)
@@ -101,6 +106,7 @@ class GroupMerger:
         merged = self.op.merge(base, experts, self.params, ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
+        self.written.update(data)
         write_at(out_path, out.start, data, self.ledger)
 
     def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
@@ -145,8 +151,15 @@ def changed_inputs(plan: Plan) -> list[str]:
     return changed
 
 
-def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> list[dict]:
-    """Merge one group into the staged output; returns the ledger rows of what it read and wrote."""
+def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:
+    """(shard, start, end) of each tensor of a group in the output, in the order it is written."""
+    return [(layout.tensors[n].shard, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
+
+
+def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> dict:
+    """Merge one group into the staged output. Returns the ledger rows of what it read and
+    wrote, and the SHA-256 of the bytes it wrote."""
     ledger = ByteLedger()
-    GroupMerger(plan, layout, staging, ledger).run(group)
-    return ledger.rows()
+    merger = GroupMerger(plan, layout, staging, ledger)
+    merger.run(group)
+    return {"rows": ledger.rows(), "sha256": merger.written.hexdigest()}

@@ -111,3 +111,22 @@ def test_newer_catalog_is_refused(tmp_path):
     with pytest.raises(MergepipeError, match="schema version 99"):
         with db.connect(path):
             pass
+
+
+def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path):
+    """A second catalog over the same files gets the statistics from the task cache: no pass."""
+    fam = tiny_family(tmp_path / "fam")
+    cfg = write_config(tmp_path / "m.yaml", fam, "task_arithmetic", block_size="4KiB")
+    first = index_family(config=str(cfg), catalog=str(tmp_path / "a.duckdb"))
+    assert first["bytes"]["expert"] > 0
+    second = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
+    assert second["indexed_now"] == first["indexed_now"]
+    assert second["bytes"]["expert"] == 0 and second["bytes"]["base"] == 0
+    assert second["content_sha256"] == first["content_sha256"]
+    con = duckdb.connect(str(tmp_path / "b.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM block_stats").fetchall()[0][0] > 0
+    con.close()
+    # Changed files have other fingerprints: a real pass again.
+    replace_model(fam.experts[0], {k: v + 1 if v.is_floating_point() else v for k, v in load_model(fam.experts[0]).items()})
+    third = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
+    assert third["bytes"]["expert"] > 0

@@ -22,7 +22,9 @@ from ..storage.location import join
 from ..storage.ledger import ByteLedger
 from .artifacts import summary_artifact
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
-from ..tasks.merge_tasks import finish_output, merge_layer_group, publish_output, record_run, stage_output, load_plan
+from ..tasks.merge_tasks import (
+    finish_output, group_is_intact, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
+)
 
 
 def worker_count() -> int:
@@ -57,8 +59,10 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
             missing.append(i)
             seen.add(fp)
     if missing or family.base_fp not in content:
-        result, rows = compute_block_stats(family, missing, bs)
-        ledger.merge(rows)
+        state = compute_block_stats.with_options(result_storage=results_dir())(family, missing, bs, return_state=True)
+        result, rows = state.result()
+        if state.name != "Cached":  # a cached pass read nothing now
+            ledger.merge(rows)
         ingest_block_stats(family, missing, bs, result, catalog)
         content = {**content, **result.content}
     return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0)
@@ -92,23 +96,34 @@ def execute_plan(
     The execution ledger is kept apart from the index ledger (headers, and statistics of
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     _, layout = load_plan(plan_dir)
-    ledger = ByteLedger()
-    staging = stage_output(plan_dir, str(out))
+    ledger = ByteLedger()  # what this run read and wrote
+    resumed = ByteLedger()  # what the runs before it read for the groups it found finished
+    resumed_groups: list[str] = []
+    staging = stage_output(plan_dir, out)
     rep = progress.reporter()
     try:
         t_merge = time.perf_counter()
         groups = list(layout.groups)
         rep.start("merge", len(groups), "groups")
         rep.start("read", plan.base_tensor_bytes + plan.expert_bytes_planned, "B")
-        futures = [merge_layer_group.submit(plan_dir, g, staging) for g in groups]
+        task = merge_layer_group.with_options(result_storage=results_dir())
+        futures = {
+            # A cached result is used only while the staged bytes it describes are intact.
+            task.with_options(refresh_cache=not group_is_intact(plan_dir, g, staging)).submit(plan_dir, g, staging): g
+            for g in groups
+        }
         try:
-            for fut in as_completed(futures):
-                rows = fut.result()
-                ledger.merge(rows)
+            for fut in as_completed(list(futures)):
+                rows = fut.result()["rows"]
+                if fut.state.name == "Cached":
+                    resumed.merge(rows)
+                    resumed_groups.append(futures[fut])
+                else:
+                    ledger.merge(rows)
                 rep.advance("merge", 1)
                 rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
         finally:
-            wait(futures)  # on failure, let running groups stop writing before staging goes
+            wait(list(futures))  # on failure, let running groups stop writing before staging goes
             rep.finish("read")
             rep.finish("merge")
         timings["merge"] = time.perf_counter() - t_merge
@@ -117,9 +132,10 @@ def execute_plan(
         ledger.merge(rows)
         timings["finish"] = time.perf_counter() - t_finish
         expert_read = ledger.total("expert")
-        if expert_read != plan.expert_bytes_planned:
+        if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
             raise MergepipeError(
-                f"read {expert_read} expert bytes but the plan has {plan.expert_bytes_planned}; not publishing"
+                f"read {expert_read} expert bytes (and {resumed.total('expert')} in resumed groups) "
+                f"but the plan has {plan.expert_bytes_planned}; not publishing"
             )
         run = {
             "kind": kind,
@@ -135,6 +151,7 @@ def execute_plan(
             "index_bytes": index_ledger.by_role(),
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
+            "resumed": {"groups": sorted(resumed_groups), "bytes": resumed.by_role()},
             "timings": timings,
         }
         manifest, rows = publish_output(plan_dir, staging, out, overwrite, output, run, expected_digest)
@@ -177,6 +194,7 @@ def execute_plan(
         "expert_bytes_read": expert_read,
         "bytes": ledger.by_role(),
         "index_bytes": index_ledger.by_role(),
+        "resumed_groups": sorted(resumed_groups),
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
         "pairs": plan.n_pairs,

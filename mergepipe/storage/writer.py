@@ -94,19 +94,71 @@ def _check_remote_destination(out: str, overwrite: bool) -> None:
         )
 
 
-def new_staging_dir(out: str) -> Path:
-    """Local output: a hidden folder beside it (same file system, so the rename is atomic).
-    Remote output: a folder in MERGEPIPE_HOME's spool."""
+def staging_dir(out: str, key: str) -> Path:
+    """Where the output for `out` is staged, named by `key` (the plan digest), so a merge run
+    again after a crash finds the bytes its first run wrote. Local output: a hidden folder beside
+    it (same file system, so the rename is atomic). Remote output: a folder in MERGEPIPE_HOME's
+    spool."""
     if is_remote(out):
-        parent = home() / "spool"
-        name = f"{digest_of(out)[:12]}{STAGING_MARK}{secrets.token_hex(6)}"
-    else:
-        parent = Path(out).parent
-        name = f".{Path(out).name}{STAGING_MARK}{secrets.token_hex(6)}"
-    parent.mkdir(parents=True, exist_ok=True)
-    staging = parent / name
+        return home() / "spool" / f"{digest_of(out)[:12]}{STAGING_MARK}{key[:16]}"
+    return Path(out).parent / f".{Path(out).name}{STAGING_MARK}{key[:16]}"
+
+
+def open_staging(out: str, key: str, shards: list[tuple[str, bytes, int]]) -> tuple[Path, bool]:
+    """The staging folder with every shard (name, header, size) in place. An existing folder
+    whose shards have their sizes and headers is kept (True: a resumed merge); anything else
+    there is wiped and the shards are created afresh."""
+    staging = staging_dir(out, key)
+    if staging.is_dir() and all(_shard_in_place(staging / name, header, size) for name, header, size in shards):
+        return staging, True
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.parent.mkdir(parents=True, exist_ok=True)
     staging.mkdir()
-    return staging
+    for name, header, size in shards:
+        create_shard(staging / name, header, size)
+    return staging, False
+
+
+def _shard_in_place(path: Path, header: bytes, size: int) -> bool:
+    try:
+        if path.stat().st_size != size:
+            return False
+        with open(path, "rb") as f:
+            return f.read(len(header)) == header
+    except OSError:
+        return False
+
+
+GROUPS_DIR = ".mergepipe-groups"  # in staging: which layer groups are written, and their hashes
+
+
+def mark_group_done(staging: Path, group: str, sha256: str) -> None:
+    folder = staging / GROUPS_DIR
+    folder.mkdir(exist_ok=True)
+    tmp = folder / f"{group}.tmp"
+    write_file(tmp, sha256.encode())
+    os.replace(tmp, folder / group)
+
+
+def group_intact(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> bool:
+    """Whether a group marked done still has exactly the bytes it wrote (the marker's hash)."""
+    try:
+        recorded = (staging / GROUPS_DIR / group).read_text()
+        h = hashlib.sha256()
+        for shard, start, end in regions:
+            with open(staging / shard, "rb") as f:
+                f.seek(start)
+                data = f.read(end - start)
+            if len(data) != end - start:
+                return False
+            h.update(data)
+    except OSError:
+        return False
+    return h.hexdigest() == recorded
+
+
+def clear_group_marks(staging: Path) -> None:
+    shutil.rmtree(staging / GROUPS_DIR, ignore_errors=True)
 
 
 def create_shard(path: Path, header: bytes, size: int) -> None:

@@ -6,6 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from .. import progress
+from ..canonical import digest_of
 from ..catalog import db, ingest
 from ..family import Family, load_family
 from ..indexing import StatsResult, compute_stats
@@ -32,7 +33,15 @@ def register_family(family: Family, block_size: int, catalog: str | None) -> tup
         return known, ingest.content_digests(con, fps)
 
 
-@task(name="compute-block-stats", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+def stats_cache_key(context, parameters: dict) -> str:
+    """The statistics depend only on the files' fingerprints (base and the experts indexed) and
+    the block size: another catalog, or a re-run after a crash before ingestion, reuses them."""
+    family: Family = parameters["family"]
+    fps = family.expert_fps()
+    return "block-stats-" + digest_of([family.base_fp, [fps[i] for i in parameters["positions"]], parameters["block_size"]])[:40]
+
+
+@task(name="compute-block-stats", cache_key_fn=stats_cache_key, persist_result=True, **STORAGE_RETRIES)
 def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
     ledger = ByteLedger()
     total = sum(

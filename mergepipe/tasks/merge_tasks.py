@@ -11,7 +11,9 @@ from prefect.cache_policies import NO_CACHE
 from ..catalog import db, records
 from .. import progress
 from ..errors import BadInput, MergepipeError
-from ..execution import changed_inputs, merge_group, output_layout_of
+from ..canonical import digest_of
+from ..execution import changed_inputs, group_regions, merge_group, output_layout_of
+from ..home import home
 from ..manifest import build_manifest, write_manifest, write_output_files
 from ..output_layout import OutputLayout
 from ..planning import Plan
@@ -30,18 +32,39 @@ def load_plan(plan_dir: str) -> tuple[Plan, OutputLayout]:
 
 @task(name="stage-output", cache_policy=NO_CACHE)
 def stage_output(plan_dir: str, out: str) -> str:
-    _, layout = load_plan(plan_dir)
-    staging = writer.new_staging_dir(out)
-    for shard in layout.shards:
-        writer.create_shard(staging / shard.name, shard.header, shard.size)
+    """The staging folder, named by the plan: a merge run again after a crash keeps what its
+    first run staged."""
+    plan, layout = load_plan(plan_dir)
+    staging, _ = writer.open_staging(out, plan.plan_digest, [(s.name, s.header, s.size) for s in layout.shards])
     return str(staging)
 
 
-@task(name="merge-layer-group", cache_policy=NO_CACHE, **STORAGE_RETRIES)
-def merge_layer_group(plan_dir: str, group: str, staging: str) -> list[dict]:
-    """Merge one group of tensors into the staged output; returns the ledger rows."""
+def results_dir() -> Path:
+    """Where merge-group results are persisted: the cache that lets a re-run skip finished groups."""
+    return home() / "results"
+
+
+def group_cache_key(context, parameters: dict) -> str:
+    """(plan digest, layer group), and the staging folder the group's bytes went to."""
+    plan, _ = load_plan(parameters["plan_dir"])
+    return "merge-group-" + digest_of([plan.plan_digest, parameters["group"], parameters["staging"]])[:40]
+
+
+@task(name="merge-layer-group", cache_key_fn=group_cache_key, persist_result=True, result_serializer="json",
+      **STORAGE_RETRIES)
+def merge_layer_group(plan_dir: str, group: str, staging: str) -> dict:
+    """Merge one group of tensors into the staged output and mark it done. Returns the ledger
+    rows and the hash of the bytes written. Cached: submit it with refresh_cache unless
+    `group_is_intact` (a cached result is only as good as the staged bytes it describes)."""
     plan, layout = load_plan(plan_dir)
-    return merge_group(plan, layout, group, Path(staging))
+    result = merge_group(plan, layout, group, Path(staging))
+    writer.mark_group_done(Path(staging), group, result["sha256"])
+    return result
+
+
+def group_is_intact(plan_dir: str, group: str, staging: str) -> bool:
+    _, layout = load_plan(plan_dir)
+    return writer.group_intact(Path(staging), group, group_regions(layout, group))
 
 
 @task(name="write-output-files", cache_policy=NO_CACHE, **STORAGE_RETRIES)
@@ -52,6 +75,7 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
     changed = changed_inputs(plan)
     if changed:
         raise BadInput(f"{changed[0]}: input changed during the merge (its fingerprint differs from the plan's); not publishing")
+    writer.clear_group_marks(Path(staging))
     ledger = ByteLedger()
     output = write_output_files(plan, layout, Path(staging), ledger)
     return output, ledger.rows()
