@@ -32,6 +32,8 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+RunnerOpt = typer.Option("thread", "--runner", help="Where layer tasks run: thread, or dask.")
+DaskAddressOpt = typer.Option(None, "--dask-address", help="Scheduler of an existing Dask cluster (with --runner dask); default: a local cluster.")
 
 
 def _fail(err: BaseException) -> None:
@@ -182,12 +184,17 @@ def merge(
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     catalog: Optional[Path] = CatalogOpt,
+    runner: str = RunnerOpt,
+    dask_address: Optional[str] = DaskAddressOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Index, plan and merge; publish the output with its manifest."""
 
     def go() -> dict:
         _budget_args(budget, max_error)
+        from .flows.runners import check_runner
+
+        check_runner(runner, dask_address)
         spec = _check_config(config)
         from .storage.location import set_storage_options
         from .storage.writer import check_destination
@@ -197,7 +204,8 @@ def merge(
         from .flows.merge import merge as merge_flow
 
         return merge_flow(config=str(config), out=str(out), budget=budget, max_error=max_error,
-                          overwrite=overwrite, catalog=str(catalog) if catalog else None)
+                          overwrite=overwrite, catalog=str(catalog) if catalog else None,
+                          runner=runner, dask_address=dask_address)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "merge")
@@ -209,14 +217,20 @@ def replay(
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     catalog: Optional[Path] = CatalogOpt,
+    runner: str = RunnerOpt,
+    dask_address: Optional[str] = DaskAddressOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Re-execute a manifest's access set and reproduce its digest (refuses changed inputs)."""
 
     def go() -> dict:
+        from .flows.runners import check_runner
+
+        check_runner(runner, dask_address)
         from .flows.replay import replay as replay_flow
 
-        return replay_flow(manifest=str(manifest), out=str(out), overwrite=overwrite, catalog=str(catalog) if catalog else None)
+        return replay_flow(manifest=str(manifest), out=str(out), overwrite=overwrite,
+                           catalog=str(catalog) if catalog else None, runner=runner, dask_address=dask_address)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "replay")

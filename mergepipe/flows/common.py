@@ -21,6 +21,7 @@ from ..storage import writer
 from ..storage.location import join
 from ..storage.ledger import ByteLedger
 from .artifacts import summary_artifact
+from .runners import describe, layer_task_runner
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
 from ..tasks.merge_tasks import (
     finish_output, group_is_intact, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
@@ -77,6 +78,28 @@ def flow_run_id() -> str | None:
         return None
 
 
+def _collect(
+    futures: dict, ledger: ByteLedger, resumed: ByteLedger, resumed_groups: list[str], workers: dict, rep
+) -> None:
+    """Wait for every group; a group taken from the cache counts as resumed, not as read."""
+    try:
+        for fut in as_completed(list(futures)):
+            result = fut.result()
+            rows = result["rows"]
+            workers[futures[fut]] = result["worker"]
+            if fut.state.name == "Cached":
+                resumed.merge(rows)
+                resumed_groups.append(futures[fut])
+            else:
+                ledger.merge(rows)
+            rep.advance("merge", 1)
+            rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
+    finally:
+        wait(list(futures))  # on failure, let running groups stop writing before staging goes
+        rep.finish("read")
+        rep.finish("merge")
+
+
 def execute_plan(
     plan: Plan,
     plan_dir: str,
@@ -90,6 +113,9 @@ def execute_plan(
     started_at: str,
     t0: float,
     expected_digest: str | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    options_from: str | None = None,
 ) -> dict:
     """Stage, merge every layer group as its own task, hash, write the manifest, publish.
 
@@ -99,6 +125,7 @@ def execute_plan(
     ledger = ByteLedger()  # what this run read and wrote
     resumed = ByteLedger()  # what the runs before it read for the groups it found finished
     resumed_groups: list[str] = []
+    workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
     staging = stage_output(plan_dir, out)
     rep = progress.reporter()
     try:
@@ -107,25 +134,14 @@ def execute_plan(
         rep.start("merge", len(groups), "groups")
         rep.start("read", plan.base_tensor_bytes + plan.expert_bytes_planned, "B")
         task = merge_layer_group.with_options(result_storage=results_dir())
-        futures = {
-            # A cached result is used only while the staged bytes it describes are intact.
-            task.with_options(refresh_cache=not group_is_intact(plan_dir, g, staging)).submit(plan_dir, g, staging): g
-            for g in groups
-        }
-        try:
-            for fut in as_completed(list(futures)):
-                rows = fut.result()["rows"]
-                if fut.state.name == "Cached":
-                    resumed.merge(rows)
-                    resumed_groups.append(futures[fut])
-                else:
-                    ledger.merge(rows)
-                rep.advance("merge", 1)
-                rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
-        finally:
-            wait(list(futures))  # on failure, let running groups stop writing before staging goes
-            rep.finish("read")
-            rep.finish("merge")
+        with layer_task_runner(runner, dask_address, worker_count()) as pool:
+            futures = {}
+            for g in groups:
+                # A cached result is used only while the staged bytes it describes are intact.
+                t = task.with_options(refresh_cache=not group_is_intact(plan_dir, g, staging))
+                params = {"plan_dir": plan_dir, "group": g, "staging": staging, "options_from": options_from}
+                futures[pool.submit(t, parameters=params) if pool else t.submit(**params)] = g
+            _collect(futures, ledger, resumed, resumed_groups, workers, rep)
         timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
         output, rows = finish_output(plan_dir, staging)
@@ -152,6 +168,8 @@ def execute_plan(
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
             "resumed": {"groups": sorted(resumed_groups), "bytes": resumed.by_role()},
+            "runner": describe(runner, dask_address, worker_count()),
+            "workers": dict(sorted(workers.items())),
             "timings": timings,
         }
         manifest, rows = publish_output(plan_dir, staging, out, overwrite, output, run, expected_digest)
@@ -195,6 +213,8 @@ def execute_plan(
         "bytes": ledger.by_role(),
         "index_bytes": index_ledger.by_role(),
         "resumed_groups": sorted(resumed_groups),
+        "runner": describe(runner, dask_address, worker_count()),
+        "workers": sorted(set(workers.values())),
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
         "pairs": plan.n_pairs,

@@ -12,6 +12,7 @@ from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
 from .artifacts import plan_artifact
+from .runners import check_runner
 from .common import execute_plan, now, run_index, worker_count
 
 
@@ -72,9 +73,14 @@ def merge(
     max_error: float | None = None,
     overwrite: bool = False,
     catalog: str | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
 ) -> dict:
+    """runner: "thread" (the flow's thread pool) or "dask" (layer groups on the Dask cluster at
+    dask_address, or on a local cluster)."""
     t0 = time.perf_counter()
     started = now()
+    check_runner(runner, dask_address)
     spec = spec_with_overrides(config, budget, max_error)
     out = with_run_date(out)
     out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
@@ -86,4 +92,5 @@ def merge(
     return execute_plan(
         p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="merge",
         index_ledger=outcome.ledger, timings=timings, started_at=started, t0=t0,
+        runner=runner, dask_address=dask_address, options_from=config if spec.storage_options else None,
     )

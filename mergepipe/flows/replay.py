@@ -14,13 +14,22 @@ from ..spec import MergeSpec
 from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plans_dir
+from .runners import check_runner
 from .common import execute_plan, now, run_index, worker_count
 
 
 @flow(name="replay", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
-def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None = None) -> dict:
+def replay(
+    manifest: str,
+    out: str,
+    overwrite: bool = False,
+    catalog: str | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+) -> dict:
     t0 = time.perf_counter()
     started = now()
+    check_runner(runner, dask_address)
     # Manifests never hold storage options: object stores are reached with the environment's
     # credentials and endpoint (AWS_* variables, profiles).
     set_storage_options(None)
@@ -50,5 +59,5 @@ def replay(manifest: str, out: str, overwrite: bool = False, catalog: str | None
     return execute_plan(
         p, plan_dir, out_path, overwrite=overwrite, catalog=catalog, kind="replay",
         index_ledger=outcome.ledger, timings={"index": outcome.seconds}, started_at=started, t0=t0,
-        expected_digest=recorded["digest"],
+        expected_digest=recorded["digest"], runner=runner, dask_address=dask_address,
     )

@@ -23,11 +23,14 @@ def budget_sweep(
     budgets: list[str] = ["5%", "10%", "25%", "50%", "100%"],  # noqa: B006 - a JSON default for the deployment
     overwrite: bool = False,
     catalog: str | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
 ) -> list[dict]:
     """Each budget runs as a merge subflow into OUT/budget-<budget>; the family is indexed once."""
     rows = []
     for budget in budgets:
-        r = merge(config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite, catalog=catalog)
+        r = merge(config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite, catalog=catalog,
+                  runner=runner, dask_address=dask_address)
         rows.append(
             {
                 "budget": budget,

@@ -67,6 +67,11 @@ def set_storage_options(options: dict[str, Any] | None) -> None:
         _options = dict(options or {})
 
 
+def storage_options_set() -> bool:
+    with _lock:
+        return bool(_options)
+
+
 def filesystem(uri: str):
     """The fsspec filesystem for a remote URI. fsspec caches instances by their arguments."""
     proto = protocol(uri)

@@ -1,6 +1,8 @@
-"""Prefect tasks: thin wrappers around plain functions; retries and (later) cache keys live here."""
+"""Prefect tasks: thin wrappers around plain functions; retries and cache keys live here."""
 
 from __future__ import annotations
+
+from prefect.tasks import exponential_backoff
 
 from ..errors import BadInput
 
@@ -11,4 +13,13 @@ def retry_unless_bad_input(task, task_run, state) -> bool:
     return not isinstance(exc, BadInput)
 
 
-STORAGE_RETRIES = dict(retries=2, retry_delay_seconds=[1, 5], retry_condition_fn=retry_unless_bad_input)
+# Every task that reads or writes storage: 3 retries after 2, 4 and 8 s, each ±50% jitter (so
+# parallel tasks that failed together do not retry together). After the last, the task's own
+# error (naming the file or object) is what the user sees. Object-store calls also retry inside
+# (storage.remote), so these cover what outlasts those: a full disk freed, a store back up.
+STORAGE_RETRIES = dict(
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=retry_unless_bad_input,
+)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from functools import lru_cache
 from pathlib import Path
 
@@ -19,7 +21,8 @@ from ..output_layout import OutputLayout
 from ..planning import Plan
 from ..storage import writer
 from ..storage.ledger import ByteLedger
-from ..storage.location import is_remote
+from ..spec import load_spec
+from ..storage.location import is_remote, set_storage_options, storage_options_set
 from . import STORAGE_RETRIES
 
 
@@ -30,7 +33,7 @@ def load_plan(plan_dir: str) -> tuple[Plan, OutputLayout]:
     return plan, output_layout_of(plan)
 
 
-@task(name="stage-output", cache_policy=NO_CACHE)
+@task(name="stage-output", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def stage_output(plan_dir: str, out: str) -> str:
     """The staging folder, named by the plan: a merge run again after a crash keeps what its
     first run staged."""
@@ -52,14 +55,19 @@ def group_cache_key(context, parameters: dict) -> str:
 
 @task(name="merge-layer-group", cache_key_fn=group_cache_key, persist_result=True, result_serializer="json",
       **STORAGE_RETRIES)
-def merge_layer_group(plan_dir: str, group: str, staging: str) -> dict:
+def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str | None = None) -> dict:
     """Merge one group of tensors into the staged output and mark it done. Returns the ledger
     rows and the hash of the bytes written. Cached: submit it with refresh_cache unless
-    `group_is_intact` (a cached result is only as good as the staged bytes it describes)."""
+    `group_is_intact` (a cached result is only as good as the staged bytes it describes).
+
+    `options_from`: the config whose storage_options this process needs (a Dask worker has
+    not loaded it); its path travels, never the options."""
+    if options_from is not None and not storage_options_set():
+        set_storage_options(load_spec(options_from).storage_options)
     plan, layout = load_plan(plan_dir)
     result = merge_group(plan, layout, group, Path(staging))
     writer.mark_group_done(Path(staging), group, result["sha256"])
-    return result
+    return {**result, "worker": f"{socket.gethostname()}:{os.getpid()}"}
 
 
 def group_is_intact(plan_dir: str, group: str, staging: str) -> bool:
@@ -81,7 +89,7 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
     return output, ledger.rows()
 
 
-@task(name="publish-output", cache_policy=NO_CACHE)
+@task(name="publish-output", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def publish_output(
     plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
 ) -> tuple[dict, list[dict]]:

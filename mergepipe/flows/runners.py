@@ -1,0 +1,57 @@
+"""Where layer-group tasks run: the flow's own thread pool, or a Dask cluster (prefect-dask).
+
+Dask workers read their inputs straight from storage and write their group's bytes at its
+place in the staging folder, so the output is the same whichever worker ran which group.
+They need what the flow's process has: MERGEPIPE_HOME (saved plans, the result cache) and the
+staging folder at the same paths, and credentials for the inputs in their environment or in
+the config's storage_options."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager
+from typing import Iterator
+
+from ..errors import BadInput
+
+RUNNERS = ("thread", "dask")
+
+
+def check_runner(runner: str, dask_address: str | None) -> None:
+    if runner not in RUNNERS:
+        raise BadInput(f"runner: unknown {runner!r} (one of: {', '.join(RUNNERS)})")
+    if dask_address and runner != "dask":
+        raise BadInput("dask_address: only with runner 'dask'")
+    if runner == "dask":
+        try:
+            import prefect_dask  # noqa: F401
+        except ImportError:
+            raise BadInput("runner 'dask' needs prefect-dask: install mergepipe[dask]") from None
+
+
+@contextmanager
+def layer_task_runner(runner: str, dask_address: str | None, workers: int) -> Iterator[object | None]:
+    """None for the flow's thread pool; else an entered DaskTaskRunner, on the cluster at
+    `dask_address`, or on a LocalCluster of `workers` single-threaded worker processes."""
+    check_runner(runner, dask_address)
+    if runner == "thread":
+        yield None
+        return
+    from prefect_dask import DaskTaskRunner
+
+    if dask_address:
+        dask = DaskTaskRunner(address=dask_address)
+    else:
+        dask = DaskTaskRunner(
+            cluster_class="distributed.LocalCluster",
+            cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
+                            "dashboard_address": None, "silence_logs": logging.ERROR},
+        )
+    with dask:
+        yield dask
+
+
+def describe(runner: str, dask_address: str | None, workers: int) -> str:
+    if runner == "thread":
+        return f"thread ({workers} threads)"
+    return f"dask ({dask_address})" if dask_address else f"dask (LocalCluster, {workers} workers)"

@@ -1,0 +1,38 @@
+"""Layer groups on a Dask LocalCluster with 2 worker processes give the thread runner's digest."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from mergepipe.cli import app
+from mergepipe.errors import BadInput
+from mergepipe.flows.merge import merge
+from mergepipe.manifest import verify_output
+
+from .helpers import config_for
+
+
+def test_dask_local_cluster_gives_the_thread_runner_digest(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "ties", density=0.6)
+    threads = merge(config=str(cfg), out=str(tmp_path / "threads"), budget="50%", catalog=session_catalog)
+    dask = merge(config=str(cfg), out=str(tmp_path / "dask"), budget="50%", catalog=session_catalog, runner="dask")
+    assert dask["runner"] == "dask (LocalCluster, 2 workers)" and threads["runner"].startswith("thread")
+    assert dask["digest"] == threads["digest"]
+    # The groups really ran in the cluster's two worker processes, not in this one.
+    assert len(dask["workers"]) == 2 and not any(w.endswith(f":{os.getpid()}") for w in dask["workers"])
+    assert threads["workers"] == [f"{socket.gethostname()}:{os.getpid()}"]
+    assert dask["expert_bytes_read"] == threads["expert_bytes_read"] == dask["expert_bytes_planned"]
+    assert verify_output(tmp_path / "dask").ok
+
+
+def test_runner_is_checked_before_any_work(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "linear")
+    with pytest.raises(BadInput, match="runner: unknown 'ray'"):
+        merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog, runner="ray")
+    result = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--dask-address", "tcp://x:1"])
+    assert result.exit_code == 2 and "only with runner 'dask'" in result.output
+    assert not (tmp_path / "out").exists()
