@@ -86,7 +86,10 @@ def _budget_args(budget: Optional[str], max_error: Optional[float]) -> None:
         parse_budget(budget, key="--budget")
 
 
-def _check_config(config: Path):
+ConfigArg = typer.Argument(..., help="The merge config: a YAML file or an s3:// object.")
+
+
+def _check_config(config: str):
     """Validate the config before starting any flow (and Prefect's server): bad input fails fast."""
     from .spec import load_spec, resolve_params
 
@@ -119,7 +122,7 @@ def _print_merge(result: dict, title: str) -> None:
 
 
 @app.command()
-def index(config: Path, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
     """Index a family: headers, then block statistics for experts not indexed yet."""
 
     def go() -> dict:
@@ -141,7 +144,7 @@ def index(config: Path, catalog: Optional[Path] = CatalogOpt, as_json: bool = Js
 
 @app.command()
 def plan(
-    config: Path,
+    config: str = ConfigArg,
     budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     catalog: Optional[Path] = CatalogOpt,
@@ -178,7 +181,7 @@ def plan(
 
 @app.command()
 def merge(
-    config: Path,
+    config: str = ConfigArg,
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix (published atomically)."),
     budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),

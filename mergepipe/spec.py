@@ -14,6 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import BadInput
 from .sizes import Budget, parse_budget, parse_size
+from .storage.location import is_remote, join, normalize, split
+from .storage.reader import read_small_file
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
@@ -145,30 +147,37 @@ def validate_spec(data: Any, *, source: str) -> MergeSpec:
         raise BadInput(f"{source}: {err}") from None
 
 
-def _resolve_location(uri: str, base_dir: Path) -> str:
+def _resolve_location(uri: str, base_dir: str) -> str:
     if "://" in uri:
         return uri
+    if is_remote(base_dir):  # a config in an object store: relative models sit beside it
+        return normalize(join(base_dir, uri))
     path = Path(uri).expanduser()
     if not path.is_absolute():
-        path = base_dir / path
+        path = Path(base_dir) / path
     return str(path.resolve())
 
 
 def load_spec(path: str | Path) -> MergeSpec:
-    """Read a YAML config; relative model paths are taken relative to the config's folder."""
-    path = Path(path)
+    """Read a YAML config (a local file or an s3:// object, read with the environment's
+    credentials); relative model paths are taken relative to the config's folder."""
+    path = str(path)
     try:
-        text = path.read_text()
-    except FileNotFoundError:
+        text = read_small_file(path).decode()
+    except BadInput:
         raise BadInput(f"{path}: config file not found") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: config is not UTF-8 text") from None
+    except IsADirectoryError:
+        raise BadInput(f"{path}: is a folder, not a config file") from None
     except OSError as err:
-        raise BadInput(f"{path}: cannot read config: {err.strerror}") from None
+        raise BadInput(f"{path}: cannot read config: {err.strerror or err}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise BadInput(f"{path}: not valid YAML: {err}") from None
-    spec = validate_spec(data, source=str(path))
-    base_dir = path.resolve().parent
+    spec = validate_spec(data, source=path)
+    base_dir = split(path)[0] if is_remote(path) else str(Path(path).resolve().parent)
     return spec.model_copy(
         update={
             "base_model": _resolve_location(spec.base_model, base_dir),

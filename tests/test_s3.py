@@ -440,3 +440,14 @@ def test_transient_and_permanent_failures_are_told_apart():
     assert not remote.is_transient(FileNotFoundError("gone"))
     assert not remote.is_transient(PermissionError("denied"))
     assert not remote.is_transient(OSError(errno.EINVAL, "InvalidRange"))
+
+
+def test_config_in_s3_with_models_beside_it(s3, families, catalog, local_reference, tmp_path):
+    """A config object in the bucket; relative model paths resolve against its prefix."""
+    local, _ = families
+    cfg = config_for(tmp_path, FamilyPaths("base", [e.name for e in local.experts]), "task_arithmetic", budget="25%")
+    s3.client().put_object(Bucket=BUCKET, Key="fam/merge.yaml", Body=cfg.read_bytes())
+    result = merge(config=f"s3://{BUCKET}/fam/merge.yaml", out=str(tmp_path / "out"), catalog=catalog)
+    assert result["digest"] == local_reference["25%"]["digest"]
+    with pytest.raises(BadInput, match="no-such.yaml: config file not found"):
+        merge(config=f"s3://{BUCKET}/fam/no-such.yaml", out=str(tmp_path / "out2"), catalog=catalog)

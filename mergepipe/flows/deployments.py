@@ -28,12 +28,12 @@ DEPLOYMENTS = [
     ),
     DeploymentSpec(
         "merge", "mergepipe.flows.merge:merge",
-        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog). "
+        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address). "
         "{date} in out becomes the run's scheduled date.",
     ),
     DeploymentSpec(
         "sweep", "mergepipe.flows.sweep:budget_sweep",
-        "Merge at several budgets, one output per budget under out (parameters: config, out, budgets).",
+        "Merge at several budgets, one output per budget under out (parameters: config, out, budgets, runner, dask_address).",
     ),
     DeploymentSpec(
         "merge-nightly", "mergepipe.flows.merge:merge",
