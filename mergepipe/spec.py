@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import BadInput
 from .sizes import Budget, parse_budget, parse_size
 from .storage.location import is_remote, join, normalize, split
-from .storage.reader import read_small_file
+from .storage.reader import read_small_file, stat
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
@@ -162,10 +162,10 @@ def load_spec(path: str | Path) -> MergeSpec:
     """Read a YAML config (a local file or an s3:// object, read with the environment's
     credentials); relative model paths are taken relative to the config's folder."""
     path = str(path)
+    if stat(path) is None and not Path(path).is_dir():
+        raise BadInput(f"{path}: config file not found")
     try:
         text = read_small_file(path).decode()
-    except BadInput:
-        raise BadInput(f"{path}: config file not found") from None
     except UnicodeDecodeError:
         raise BadInput(f"{path}: config is not UTF-8 text") from None
     except IsADirectoryError:

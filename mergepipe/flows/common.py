@@ -16,9 +16,9 @@ from ..errors import MergepipeError
 from ..family import Family
 from ..manifest import MANIFEST_FILE, versions
 from ..planning import Plan
-from ..spec import MergeSpec
+from ..spec import MergeSpec, load_spec
 from ..storage import writer
-from ..storage.location import join
+from ..storage.location import join, set_storage_options
 from ..storage.ledger import ByteLedger
 from .artifacts import summary_artifact
 from .runners import describe, layer_task_runner
@@ -43,6 +43,15 @@ class IndexOutcome:
     indexed: list[int]  # expert positions indexed in this run
     ledger: ByteLedger = field(default_factory=ByteLedger)
     seconds: float = 0.0
+
+
+def load_config(config: str) -> MergeSpec:
+    """The config, read with the environment's credentials (not options a previous run in this
+    process left), whose storage options then apply to this process."""
+    set_storage_options(None)
+    spec = load_spec(config)
+    set_storage_options(spec.storage_options)
+    return spec
 
 
 def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:

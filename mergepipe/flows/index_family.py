@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from prefect import flow
 
-from ..spec import load_spec
-from ..storage.location import set_storage_options
-from .common import run_index
+from .common import load_config, run_index
 
 
 @flow(name="index-family")
 def index_family(config: str, catalog: str | None = None) -> dict:
-    spec = load_spec(config)
-    set_storage_options(spec.storage_options)
+    spec = load_config(config)
     outcome = run_index(spec, catalog)
     return {
         "base": spec.base_model,

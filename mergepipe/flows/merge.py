@@ -7,13 +7,12 @@ import time
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from ..spec import MergeSpec, load_spec
-from ..storage.location import set_storage_options
+from ..spec import MergeSpec
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
 from .artifacts import plan_artifact
 from .runners import check_runner
-from .common import execute_plan, now, run_index, worker_count
+from .common import execute_plan, load_config, now, run_index, worker_count
 
 
 def with_run_date(out: str) -> str:
@@ -28,8 +27,7 @@ def with_run_date(out: str) -> str:
 
 
 def spec_with_overrides(config: str, budget: str | None, max_error: float | None) -> MergeSpec:
-    spec = load_spec(config)
-    set_storage_options(spec.storage_options)
+    spec = load_config(config)
     if budget is not None:
         spec = spec.with_overrides(budget=budget, max_error=None)
     elif max_error is not None:
