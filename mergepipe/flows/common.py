@@ -20,12 +20,12 @@ from ..spec import MergeSpec, load_spec
 from ..storage import writer
 from ..storage.location import join, set_storage_options
 from ..storage.ledger import ByteLedger
-from .artifacts import summary_artifact
-from .runners import describe, layer_task_runner
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
 from ..tasks.merge_tasks import (
     finish_output, group_is_intact, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
 )
+from .artifacts import summary_artifact
+from .runners import describe, layer_task_runner
 
 
 def worker_count() -> int:

@@ -11,8 +11,8 @@ from ..spec import MergeSpec
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
 from .artifacts import plan_artifact
-from .runners import check_runner
 from .common import execute_plan, load_config, now, run_index, worker_count
+from .runners import check_runner
 
 
 def with_run_date(out: str) -> str:

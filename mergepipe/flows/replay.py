@@ -14,8 +14,8 @@ from ..spec import MergeSpec
 from ..storage.location import set_storage_options
 from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plans_dir
-from .runners import check_runner
 from .common import execute_plan, now, run_index, worker_count
+from .runners import check_runner
 
 
 @flow(name="replay", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
