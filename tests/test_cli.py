@@ -120,3 +120,15 @@ def test_shape_mismatch_via_cli_names_the_tensor_and_shapes(tmp_path):
     r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", str(tmp_path / "c.duckdb")])
     assert r.exit_code == 2
     assert "'model.layers.0.mlp.up_proj.weight' has shape [16, 32], the base has [64, 32]" in r.output
+
+
+def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
+    """The quick start's main job: build, index, plan, merge at 100% and 25%, verify."""
+    result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)  # progress lines go to stderr
+    full, part = out["merges"]["full"], out["merges"]["25pct"]
+    assert full["verified"] and part["verified"]
+    assert part["expert_bytes_read"] == part["expert_bytes_planned"] <= part["budget_bytes"]
+    assert full["expert_bytes_read"] == full["expert_bytes_planned"] < full["full_expert_bytes"]  # the LoRA's zero blocks
+    assert 0 < out["measured_deviation"] <= out["error_bound"]
