@@ -48,19 +48,29 @@ def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Tabl
                           ("mtime_ns", pa.int64()), ("ctime_ns", pa.int64()), ("inode", pa.int64()),
                           ("header_bytes", pa.int64()), ("etag", pa.string()), ("version_id", pa.string())]),
     )
-    return pa.Table.from_pylist(m_rows), files, tensors
+    models = pa.Table.from_pylist(
+        m_rows,
+        schema=pa.schema([("model_fp", pa.string()), ("uri", pa.string()), ("n_tensors", pa.int64()),
+                          ("tensor_bytes", pa.int64())]),
+    )
+    return models, files, tensors
+
+
+def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
+    """From the registered views new_models, new_files, new_tensors (idempotent: keyed by fingerprint)."""
+    con.execute(
+        "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
+        "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
+    )
+    con.execute("INSERT OR IGNORE INTO model_files BY NAME SELECT * FROM new_files")
+    con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
 
 
 def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
-    """Record every model's files and tensor table (idempotent: keyed by fingerprint)."""
+    """Record every model's files and tensor table."""
     models, files, tensors = _model_tables([family.base, *family.experts])
     with transaction(con, new_models=models, new_files=files, new_tensors=tensors):
-        con.execute(
-            "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
-            "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
-        )
-        con.execute("INSERT OR IGNORE INTO model_files BY NAME SELECT * FROM new_files")
-        con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
+        _insert_models(con)
 
 
 def indexed_experts(con: duckdb.DuckDBPyConnection, base_fp: str, expert_fps: list[str], block_size: int) -> set[str]:
@@ -88,11 +98,16 @@ def ingest_stats(
     stats: pa.Table,
     blocks: pa.Table,
     content: dict[str, str],
+    models: list[ModelFiles] = (),
 ) -> None:
-    """All statistics of the indexed experts in one transaction, with the base's block layout
-    and their stat_sets rows (an expert with no float blocks still gets one, so it counts as
-    indexed)."""
-    with transaction(con, new_stats=stats, new_blocks=blocks):
+    """The models (files, tensors) and all statistics of the indexed experts in one
+    transaction, with the base's block layout and their stat_sets rows (an expert with no float
+    blocks still gets one, so it counts as indexed). A pass that fails before this leaves the
+    catalog as it was."""
+    new_models, new_files, new_tensors = _model_tables(list(models))
+    with transaction(con, new_models=new_models, new_files=new_files, new_tensors=new_tensors,
+                     new_stats=stats, new_blocks=blocks):
+        _insert_models(con)
         con.execute(
             "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes FROM new_blocks",
             [base_fp, block_size],

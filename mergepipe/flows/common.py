@@ -20,7 +20,7 @@ from ..spec import MergeSpec, load_spec
 from ..storage import writer
 from ..storage.location import join, set_storage_options
 from ..storage.ledger import ByteLedger
-from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, read_family_headers, register_family
+from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
 from ..tasks.merge_tasks import (
     finish_output, group_is_intact, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
 )
@@ -60,7 +60,7 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
     family, rows = read_family_headers(spec.base_model, spec.expert_uris)
     ledger.merge(rows)
     bs = spec.block_size_bytes
-    known, content = register_family(family, bs, catalog)
+    known, content = look_up_family(family, bs, catalog)
     # An expert needs its pass unless its statistics and content digest are both known; each
     # distinct file set is read once even if the config lists it twice.
     missing, seen = [], set()

@@ -70,15 +70,35 @@ def header_length(prefix: bytes, file_size: int, source: str) -> int:
     return n
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    """json.loads keeps the last of two equal keys; a header naming a tensor twice is corrupt."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
 def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorInfo], dict]:
     """Tensors of one file, with absolute byte ranges, validated against the file size."""
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as dup:
+        raise BadInput(f"{source}: tensor {dup.args[0]!r} appears twice in the header") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadInput(f"{source}: header is not valid JSON ({err})") from None
+    except RecursionError:
+        raise BadInput(f"{source}: header is not valid JSON (nested too deeply)") from None
     if not isinstance(header, dict):
         raise BadInput(f"{source}: header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise BadInput(f"{source}: __metadata__ must be a JSON object")
     data_start = 8 + len(raw)
     tensors = []
     for name, entry in header.items():

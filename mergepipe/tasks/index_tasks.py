@@ -23,11 +23,11 @@ def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, 
     return family, ledger.rows()
 
 
-@task(name="register-family", cache_policy=NO_CACHE)
-def register_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str]]:
-    """Record the family; return which experts are already indexed and the known content digests."""
+@task(name="look-up-family", cache_policy=NO_CACHE)
+def look_up_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str]]:
+    """Which experts are already indexed, and the known content digests. Writes nothing: a
+    family is recorded only with its statistics, so a pass that fails leaves no trace."""
     with db.connect(catalog) as con:
-        ingest.register_family(con, family)
         known = ingest.indexed_experts(con, family.base_fp, family.expert_fps(), block_size)
         fps = [family.base_fp, *family.expert_fps()]
         return known, ingest.content_digests(con, fps)
@@ -61,4 +61,5 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: str | None) -> None:
     with db.connect(catalog) as con:
         fps = family.expert_fps()
-        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.blocks, result.content)
+        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.blocks,
+                            result.content, models=[family.base, *family.experts])
