@@ -63,8 +63,8 @@ def header_length(prefix: bytes, file_size: int, source: str) -> int:
     if len(prefix) < 8:
         raise BadInput(f"{source}: truncated safetensors file ({file_size} bytes, no header length)")
     (n,) = struct.unpack("<Q", prefix[:8])
-    if n > MAX_HEADER_BYTES:
-        raise BadInput(f"{source}: declared header of {n} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+    if n >= MAX_HEADER_BYTES:
+        raise BadInput(f"{source}: declared header of {n} bytes is at or over the {MAX_HEADER_BYTES}-byte limit")
     if 8 + n > file_size:
         raise BadInput(f"{source}: header length {n} runs past the end of the file ({file_size} bytes)")
     return n
@@ -106,7 +106,7 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
         if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
             raise BadInput(f"{where}: entry must have exactly dtype, shape and data_offsets")
         dtype = entry["dtype"]
-        if dtype not in DTYPES:
+        if not isinstance(dtype, str) or dtype not in DTYPES:
             raise BadInput(f"{where}: unsupported dtype {dtype!r}")
         shape, offsets = entry["shape"], entry["data_offsets"]
         if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
