@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.storage.safetensors_format import header_length, parse_header
-from mergepipe.synthetic import FamilyPaths, make_family, write_config, write_model
+from mergepipe.synthetic import make_family, write_config, write_model
 
 from .reference import load_model
 
@@ -87,14 +87,23 @@ def header_not_an_object(fam, cfg):
     return "not a JSON object"
 
 
-def offsets_out_of_bounds(fam, cfg):
+def _edit_matrix_entry(fam, edit) -> str:
+    """Apply edit(header, data, name) to the header entry of a matrix in the expert's first
+    shard; returns the tensor's name."""
     p = first_shard(fam.experts[0])
     h, d = read_st(p)
     name = a_matrix(h)
-    s, e = h[name]["data_offsets"]
-    h[name]["data_offsets"] = [s + len(d), e + len(d)]
+    edit(h, d, name)
     write_st(p, h, d)
     return name
+
+
+def offsets_out_of_bounds(fam, cfg):
+    def edit(h, d, name):
+        s, e = h[name]["data_offsets"]
+        h[name]["data_offsets"] = [s + len(d), e + len(d)]
+
+    return _edit_matrix_entry(fam, edit)
 
 
 def offsets_overlapping(fam, cfg):
@@ -110,38 +119,20 @@ def offsets_overlapping(fam, cfg):
 
 
 def offsets_not_matching_shape(fam, cfg):
-    p = first_shard(fam.experts[0])
-    h, d = read_st(p)
-    name = a_matrix(h)
-    h[name]["data_offsets"][1] -= 2
-    write_st(p, h, d)
-    return name
+    return _edit_matrix_entry(fam, lambda h, d, name: h[name]["data_offsets"].__setitem__(1, h[name]["data_offsets"][1] - 2))
 
 
 def unsupported_dtype(fam, cfg):
-    p = first_shard(fam.experts[0])
-    h, d = read_st(p)
-    name = a_matrix(h)
-    h[name]["dtype"] = "Q4_K"
-    write_st(p, h, d)
+    _edit_matrix_entry(fam, lambda h, d, name: h[name].__setitem__("dtype", "Q4_K"))
     return "unsupported dtype 'Q4_K'"
 
 
 def entry_missing_offsets(fam, cfg):
-    p = first_shard(fam.experts[0])
-    h, d = read_st(p)
-    name = a_matrix(h)
-    del h[name]["data_offsets"]
-    write_st(p, h, d)
-    return name
+    return _edit_matrix_entry(fam, lambda h, d, name: h[name].pop("data_offsets"))
 
 
 def negative_shape(fam, cfg):
-    p = first_shard(fam.experts[0])
-    h, d = read_st(p)
-    name = a_matrix(h)
-    h[name]["shape"] = [-1, 4]
-    write_st(p, h, d)
+    _edit_matrix_entry(fam, lambda h, d, name: h[name].__setitem__("shape", [-1, 4]))
     return "shape must be a list of non-negative integers"
 
 
