@@ -104,10 +104,10 @@ def _block_ranges(model: ModelFiles, name: str, blocks: list[tuple[int, int]]) -
     return [byte_range(info.start, info.shape, DTYPES[info.dtype].itemsize, r0, r1) for r0, r1 in blocks]
 
 
-def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: bytes) -> torch.Tensor:
+def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: bytearray) -> torch.Tensor:
     info = model.tensors[name].info
     shape = (rows[1] - rows[0], *info.shape[1:]) if info.shape else ()
-    return decode(bytearray(raw), info.dtype, shape)
+    return decode(raw, info.dtype, shape)
 
 
 def compute_stats(
@@ -140,9 +140,8 @@ def compute_stats(
             ]
             chunks = [bufs[0] for bufs in reader.read_batch(requests)]
             for j, (b, block) in enumerate(zip(run, rows)):
-                raws = [
-                    bytes(memoryview(c)[r[j][0] - r[0][0] : r[j][1] - r[0][0]]) for c, r in zip(chunks, per_model)
-                ]
+                # One copy per block: a bytearray slice, writable, so decode views it in place.
+                raws = [c[r[j][0] - r[0][0] : r[j][1] - r[0][0]] for c, r in zip(chunks, per_model)]
                 for h, raw in zip(hashers, raws):
                     h[name].update(raw)
                 base_raw = raws[0]

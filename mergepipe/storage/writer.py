@@ -26,7 +26,6 @@ from .model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
 from .reader import read_small_file, stat
 
 STAGING_MARK = ".mergepipe-staging-"
-HASH_CHUNK = 8 * 1024 * 1024
 # Every name mergepipe writes into an output; a prefix holding only these and no manifest is
 # an unfinished upload that a new merge may complete.
 _OUTPUT_NAME = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
@@ -190,7 +189,7 @@ def sha256_file(path: Path, ledger: ByteLedger | None = None, role: str = "check
     h = hashlib.sha256()
     size = 0
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
+        while chunk := f.read(remote.HASH_CHUNK):
             h.update(chunk)
             size += len(chunk)
     if ledger is not None:
