@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from .canonical import digest_of
@@ -161,7 +162,10 @@ def compute_stats(
                         continue
                     sq, mx, nnz = delta_stats(base_t, _decode_block(model, name, block, raw))
                     if not (math.isfinite(sq) and math.isfinite(mx)):
-                        raise BadInput(f"expert {i} ({model.uri}): tensor {name!r} block {b} has a non-finite delta (NaN or Inf)")
+                        # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the
+                        # planner can never leave it out; the config decides (allow_nonfinite)
+                        # whether such a family may be merged at all.
+                        sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
                     cols["expert_fp"].append(fp)
                     cols["tensor"].append(name)
                     cols["block"].append(b)
@@ -175,3 +179,23 @@ def compute_stats(
     for (i, model, fp), h in zip(experts, hashers[1:]):
         result.content[fp] = content_digest({n: x.hexdigest() for n, x in h.items()}, model)
     return result
+
+
+def first_nonfinite(result: StatsResult, family: Family) -> str | None:
+    """A message naming the first (expert, tensor, block) whose delta is NaN or Inf, if any."""
+    stats = result.stats.filter(pc.is_inf(result.stats["delta_sq"]))
+    if stats.num_rows == 0:
+        return None
+    position = {fp: i for i, fp in reversed(list(enumerate(family.expert_fps())))}
+    fp, tensor, block = min(
+        zip(stats["expert_fp"].to_pylist(), stats["tensor"].to_pylist(), stats["block"].to_pylist()),
+        key=lambda r: (position[r[0]], r[1], r[2]),
+    )
+    return nonfinite_message(position[fp], family.experts[position[fp]].uri, tensor, block)
+
+
+def nonfinite_message(expert: int, uri: str, tensor: str, block: int) -> str:
+    return (
+        f"expert {expert} ({uri}): tensor {tensor!r} block {block} has a non-finite delta (NaN or Inf); "
+        "set allow_nonfinite: true in the config to merge it anyway"
+    )

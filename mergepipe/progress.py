@@ -45,7 +45,7 @@ class PlainReporter:
             if step <= st[3]:
                 return
             st[3] = step
-        print(f"{stage}: {_fmt(st[0], st[2], st[1])}", file=sys.stderr, flush=True)
+        print(f"{stage}: {_fmt(st[0], st[2], st[1])} ({10 * step}%)", file=sys.stderr, flush=True)
 
     def finish(self, stage: str) -> None:
         with self._lock:
@@ -94,8 +94,9 @@ class RichReporter:
 
 
 def _fmt(done: float, unit: str, total: float) -> str:
-    if unit == "B":
-        return f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB"
+    if unit == "B":  # in the unit that suits the total, so small work does not read 0.0/0.1
+        scale, name = next(((2**p, n) for p, n in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if total >= 2**p), (1, "B"))
+        return f"{done / scale:.1f}/{total / scale:.1f} {name}"
     return f"{int(done)}/{int(total)} {unit}"
 
 

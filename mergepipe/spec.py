@@ -60,6 +60,9 @@ class MergeSpec(_Strict):
     block_size: str | int = "1MiB"
     out_shard_size: str | int = "5GB"
     seed: int = 0
+    # Merge experts whose deltas hold NaN or Inf (refused by default). Their blocks are always
+    # read, whatever the budget. A permission, not a parameter: it never changes the output.
+    allow_nonfinite: bool = False
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -112,9 +115,9 @@ class MergeSpec(_Strict):
         return validate_spec(data, source="command line")
 
     def content(self) -> dict:
-        """The spec as it enters digests: no model locations (inputs are identified by content)
-        and no storage options (they may hold credentials)."""
-        data = self.model_dump(by_alias=True, exclude={"storage_options"})
+        """The spec as it enters digests: no model locations (inputs are identified by content),
+        no storage options (they may hold credentials), no allow_nonfinite (it changes no byte)."""
+        data = self.model_dump(by_alias=True, exclude={"storage_options", "allow_nonfinite"})
         data["base_model"] = "base"
         data["models"] = [
             {"model": f"expert-{i}", "parameters": m.parameters.model_dump(by_alias=True)}

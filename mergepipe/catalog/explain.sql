@@ -3,8 +3,10 @@ SELECT b.layer,
        e.expert,
        sum(s.bytes) AS expert_bytes,
        coalesce(sum(s.bytes) FILTER (WHERE a.block IS NOT NULL), 0) AS selected_bytes,
-       sum(s.delta_sq) AS delta_energy,
-       coalesce(sum(s.delta_sq) FILTER (WHERE a.block IS NOT NULL), 0) AS captured_energy
+       coalesce(sum(s.delta_sq) FILTER (WHERE isfinite(s.delta_sq)), 0) AS delta_energy,
+       coalesce(sum(s.delta_sq) FILTER (WHERE a.block IS NOT NULL AND isfinite(s.delta_sq)), 0) AS captured_energy,
+       -- blocks whose delta is NaN or Inf (allow_nonfinite): always read, not in the energies
+       count(*) FILTER (WHERE NOT isfinite(s.delta_sq)) AS nonfinite_blocks
 FROM block_stats s
 JOIN blocks b USING (base_fp, block_size, tensor, block)
 JOIN plan_experts e ON e.expert_fp = s.expert_fp AND e.plan_digest = $plan_digest

@@ -69,6 +69,19 @@ def select_within_error(con: duckdb.DuckDBPyConnection, max_error: float, n_cand
     return con.execute("SELECT coalesce(sum(bytes), 0) FROM plan_candidates WHERE selected").fetchall()[0][0]
 
 
+def nonfinite_candidates(con: duckdb.DuckDBPyConnection) -> tuple[tuple[int, str, int] | None, int, int, int]:
+    """(first (expert, tensor, block) with a non-finite delta, how many there are, how many
+    the selection leaves out, and the bytes they all take)."""
+    first = con.execute(
+        "SELECT expert, tensor, block FROM plan_candidates WHERE isinf(delta_sq) ORDER BY rank LIMIT 1"
+    ).fetchall()
+    n, omitted, nbytes = con.execute(
+        "SELECT count(*), count(*) FILTER (WHERE NOT selected), coalesce(sum(bytes), 0) "
+        "FROM plan_candidates WHERE isinf(delta_sq)"
+    ).fetchall()[0]
+    return (first[0] if first else None), n, omitted, nbytes
+
+
 def selected_pairs(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(
         "SELECT expert, tensor, block, row_start, row_end, bytes, score FROM plan_candidates "

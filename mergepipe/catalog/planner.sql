@@ -2,13 +2,15 @@
 --   score(k, b) = |c_k| * ||delta_{k,b}||_F     value of reading the pair
 --   rank by score per byte, descending; ties broken by (expert position, tensor, block) so the
 --   order is total and the plan deterministic.
+-- Blocks whose delta is NaN or Inf (delta_sq = +inf) rank first, so no budget omits one quietly.
 -- Blocks whose delta is zero everywhere (nnz_delta = 0) are not candidates: reading them
 -- costs bytes and changes nothing.
 -- Inputs: $base_fp, $block_size, and the registered table plan_experts_in(expert, expert_fp, coefficient).
 CREATE OR REPLACE TEMP TABLE plan_candidates AS
 WITH cand AS (
     SELECT e.expert, s.tensor, s.block, b.layer, b.row_start, b.row_end, s.bytes, s.delta_sq,
-           abs(e.coefficient) * sqrt(s.delta_sq) AS score
+           -- A non-finite delta (stored as +inf) outranks everything, even with a zero coefficient.
+           CASE WHEN isinf(s.delta_sq) THEN 'inf'::DOUBLE ELSE abs(e.coefficient) * sqrt(s.delta_sq) END AS score
     FROM block_stats s
     JOIN plan_experts_in e ON e.expert_fp = s.expert_fp
     JOIN blocks b USING (base_fp, block_size, tensor, block)

@@ -26,6 +26,7 @@ def plan_artifact(plan: dict) -> None:
             "selected_bytes": int(r["selected_bytes"]),
             "expert_bytes": int(r["expert_bytes"]),
             "energy_captured": round(r["captured_energy"] / r["delta_energy"], 6) if r["delta_energy"] else None,
+            "nonfinite_blocks": int(r["nonfinite_blocks"]),
         }
         for r in plan["explain"]
     ]

@@ -12,8 +12,9 @@ from pathlib import Path
 from prefect.futures import as_completed, wait
 
 from .. import progress
-from ..errors import MergepipeError
+from ..errors import BadInput, MergepipeError
 from ..family import Family
+from ..indexing import first_nonfinite
 from ..manifest import MANIFEST_FILE, versions
 from ..planning import Plan
 from ..spec import MergeSpec, load_spec
@@ -73,6 +74,9 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
         result, rows = state.result()
         if state.name != "Cached":  # a cached pass read nothing now
             ledger.merge(rows)
+        problem = None if spec.allow_nonfinite else first_nonfinite(result, family)
+        if problem:  # refused before ingestion: bad input leaves the catalog as it was
+            raise BadInput(problem)
         ingest_block_stats(family, missing, bs, result, catalog)
         content = {**content, **result.content}
     return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0)

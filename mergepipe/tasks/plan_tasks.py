@@ -7,8 +7,9 @@ from prefect.cache_policies import NO_CACHE
 
 from ..canonical import digest_of
 from ..catalog import db, planner, records
-from ..errors import MergepipeError
+from ..errors import BadInput, MergepipeError
 from ..family import Family
+from ..indexing import nonfinite_message
 from ..operators import get_operator
 from ..planning import Plan, build_plan, error_bound, full_expert_bytes
 from ..spec import MergeSpec, resolve_params
@@ -20,6 +21,22 @@ def plans_dir(plan: Plan) -> str:
     family must not share (or overwrite) this one's file."""
     where = digest_of([[i.uri, i.model_fp] for i in plan.inputs])
     return str(db.home() / "plans" / f"{plan.plan_digest[:24]}-{where[:12]}")
+
+
+def check_nonfinite(spec: MergeSpec, family: Family, budget_bytes: int, first, n: int, omitted: int, nbytes: int) -> None:
+    """Blocks whose delta is NaN or Inf: refused unless allow_nonfinite, and then never left
+    out (the error of omitting one has no bound)."""
+    if first is None:
+        return
+    expert, tensor, block = first
+    if not spec.allow_nonfinite:
+        raise BadInput(nonfinite_message(expert, family.experts[expert].uri, tensor, block))
+    if omitted:
+        raise BadInput(
+            f"budget: {budget_bytes} bytes leave out {omitted} of the {n} blocks whose delta is NaN or Inf "
+            f"(first: expert {expert}, tensor {tensor!r} block {block}); with allow_nonfinite every one is read, "
+            f"which takes at least {nbytes} bytes"
+        )
 
 
 @task(name="plan-merge", cache_policy=NO_CACHE)
@@ -35,6 +52,7 @@ def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog
         else:
             budget_bytes = spec.budget_obj().resolve(full)
             planner.select_within_bytes(con, budget_bytes)
+        check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
         access = planner.selected_pairs(con)
         plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)))
         # Budget soundness is a property of the plan, checked before any expert byte is read.
