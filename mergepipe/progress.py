@@ -15,12 +15,14 @@ class Reporter(Protocol):
     def start(self, stage: str, total: float, unit: str) -> None: ...
     def advance(self, stage: str, amount: float) -> None: ...
     def finish(self, stage: str) -> None: ...
+    def note(self, message: str) -> None: ...
 
 
 class _Silent:
     def start(self, stage: str, total: float, unit: str) -> None: ...
     def advance(self, stage: str, amount: float) -> None: ...
     def finish(self, stage: str) -> None: ...
+    def note(self, message: str) -> None: ...
 
 
 class PlainReporter:
@@ -50,6 +52,9 @@ class PlainReporter:
     def finish(self, stage: str) -> None:
         with self._lock:
             self._state.pop(stage, None)
+
+    def note(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
 
 
 class RichReporter:
@@ -91,6 +96,9 @@ class RichReporter:
                 self._progress.remove_task(entry[0])
             if not self._tasks:
                 self._progress.stop()
+
+    def note(self, message: str) -> None:
+        self._progress.console.print(message, highlight=False, markup=False)
 
 
 def _fmt(done: float, unit: str, total: float) -> str:

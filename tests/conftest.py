@@ -34,6 +34,15 @@ def prefect_backend():
 
 
 @pytest.fixture(scope="session")
+def prefect_api_url(prefect_backend) -> str:
+    """The session's Prefect API, for CLI subprocesses: they use it instead of starting (and,
+    when killed, orphaning) an ephemeral server of their own."""
+    from prefect.settings import PREFECT_API_URL
+
+    return PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
 def session_dir() -> Path:
     return _SESSION_TMP
 

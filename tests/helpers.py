@@ -47,3 +47,41 @@ def replace_model(folder: Path, tensors: dict[str, torch.Tensor], shards: int = 
 
     shutil.rmtree(folder)
     write_model(folder, tensors, shards=shards, sidecars=False)
+
+
+# Invariants a crash must never break. Each query lists what breaks one; a consistent catalog
+# gives no rows for any of them.
+CATALOG_INVARIANTS = {
+    "a stat_sets row whose block_stats are missing or incomplete": """
+        SELECT ss.expert_fp FROM stat_sets ss
+        LEFT JOIN (SELECT base_fp, expert_fp, block_size, count(*) AS n, sum(bytes) AS b FROM block_stats GROUP BY ALL) s
+            USING (base_fp, expert_fp, block_size)
+        WHERE coalesce(s.n, 0) <> ss.n_blocks OR coalesce(s.b, 0) <> ss.bytes""",
+    "block_stats without a stat_sets row": """
+        SELECT DISTINCT expert_fp FROM block_stats ANTI JOIN stat_sets USING (base_fp, expert_fp, block_size)""",
+    "block_stats of a block the layout lacks": """
+        SELECT expert_fp FROM block_stats ANTI JOIN blocks USING (base_fp, block_size, tensor, block)""",
+    "statistics of a model that is not registered": """
+        SELECT expert_fp FROM stat_sets ANTI JOIN models ON model_fp = expert_fp
+        UNION ALL SELECT base_fp FROM stat_sets ANTI JOIN models ON model_fp = base_fp""",
+    "a model without files, tensors or content digest": """
+        SELECT model_fp FROM models WHERE content_sha256 IS NULL
+            OR model_fp NOT IN (SELECT model_fp FROM model_files) OR model_fp NOT IN (SELECT model_fp FROM tensors)""",
+    "a plan without its experts or its whole access set": """
+        SELECT plan_digest FROM plans p
+        WHERE n_pairs <> (SELECT count(*) FROM access_sets a WHERE a.plan_digest = p.plan_digest)
+            OR NOT EXISTS (SELECT 1 FROM plan_experts e WHERE e.plan_digest = p.plan_digest)""",
+    "a run without its manifest": "SELECT run_id FROM runs WHERE merge_digest NOT IN (SELECT merge_digest FROM manifests)",
+}
+
+
+def catalog_problems(path: Path) -> list[str]:
+    import duckdb
+
+    if not Path(path).exists():
+        return []
+    con = duckdb.connect(str(path), read_only=True)
+    try:
+        return [f"{what}: {rows[:3]}" for what, q in CATALOG_INVARIANTS.items() if (rows := con.execute(q).fetchall())]
+    finally:
+        con.close()

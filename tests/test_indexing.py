@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import duckdb
 import pytest
+import torch
 
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
+from mergepipe.flows.merge import merge
 from mergepipe.synthetic import FamilyPaths, write_config
 
 from .helpers import replace_model, tiny_family
@@ -130,3 +135,34 @@ def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path):
     replace_model(fam.experts[0], {k: v + 1 if v.is_floating_point() else v for k, v in load_model(fam.experts[0]).items()})
     third = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
     assert third["bytes"]["expert"] > 0
+
+
+def test_merge_never_plans_on_stale_statistics(tmp_path):
+    """An expert rewritten in place after indexing, same size, its mtime put back: the
+    fingerprint (ctime, inode) still changes, so the next merge indexes it again and plans on
+    the new bytes, giving the digest a fresh catalog gives."""
+    fam = tiny_family(tmp_path / "fam")
+    catalog = str(tmp_path / "cat.duckdb")
+    cfg = write_config(tmp_path / "c.yaml", fam, weights=[1.0], budget="50%", block_size="1KiB")
+    first = merge(config=str(cfg), out=str(tmp_path / "first"), catalog=catalog)
+    assert first["index_bytes"]["expert"] > 0
+
+    shard = next(fam.experts[0].glob("*.safetensors"))
+    before = shard.stat()
+    tensors = load_model(fam.experts[0])
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name] = tensors[name] * 3
+    raw = bytearray(shard.read_bytes())
+    header = int.from_bytes(raw[:8], "little")
+    start, end = json.loads(raw[8 : 8 + header])[name]["data_offsets"]
+    raw[8 + header + start : 8 + header + end] = tensors[name].contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    with open(shard, "r+b") as f:  # in place: same inode, same size
+        f.write(raw)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert shard.stat().st_size == before.st_size and shard.stat().st_mtime_ns == before.st_mtime_ns
+
+    second = merge(config=str(cfg), out=str(tmp_path / "second"), catalog=catalog)
+    assert second["index_bytes"]["expert"] == first["index_bytes"]["expert"]  # indexed again, whole
+    fresh = merge(config=str(cfg), out=str(tmp_path / "fresh"), catalog=str(tmp_path / "fresh.duckdb"))
+    assert second["digest"] == fresh["digest"] != first["digest"]
+    assert second["plan_digest"] == fresh["plan_digest"]

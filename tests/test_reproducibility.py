@@ -82,6 +82,8 @@ def test_hand_edited_manifest_is_refused(bf16_family, tmp_path, session_catalog)
     path.write_text(json.dumps(m))
     with pytest.raises(BadInput, match="does not match its digest"):
         verify_output(tmp_path / "out")
+    verified = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
+    assert verified.exit_code == 2 and "edited by hand" in verified.output
     result = CliRunner().invoke(app, ["replay", str(path), "--out", str(tmp_path / "again"),
                                       "--catalog", session_catalog])
     assert result.exit_code == 2

@@ -21,10 +21,11 @@ HERE = Path(__file__).resolve().parent
 
 
 def _killed_merge(cfg: Path, out: Path, catalog: str, kill_at: int, tmp: Path) -> None:
-    env = dict(os.environ, KILL_AT_GROUP=str(kill_at), MERGEPIPE_WORKERS="1", PREFECT_HOME=str(tmp / "prefect-home"))
+    env = dict(os.environ, KILL_AT=f"mergepipe.tasks.merge_tasks:merge_group:{kill_at}", MERGEPIPE_WORKERS="1",
+               PREFECT_HOME=str(tmp / "prefect-home"))
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
-        [sys.executable, str(HERE / "kill_at_group.py"), "merge", str(cfg), "--out", str(out), "--catalog", catalog],
+        [sys.executable, str(HERE / "kill_at.py"), "merge", str(cfg), "--out", str(out), "--catalog", catalog],
         env=env, capture_output=True, text=True, timeout=300, start_new_session=True,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr

@@ -12,10 +12,15 @@ from typing import Iterator
 
 import duckdb
 
+from .. import progress
 from ..errors import MergepipeError
 from ..home import home
 
-LOCK_TIMEOUT_S = float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
+def lock_timeout() -> float:
+    """Seconds a writer waits for another process's lock on the catalog file."""
+    return float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
+
+
 SCHEMA_VERSION = "2"
 # Upgrades from each earlier version (applied in order, each in the schema check's transaction).
 MIGRATIONS = {"1": "migrate_1_to_2.sql"}
@@ -54,28 +59,34 @@ def _is_lock_error(err: Exception) -> bool:
 
 
 @contextmanager
-def connect(path: str | Path | None = None, *, read_only: bool = False, timeout: float = LOCK_TIMEOUT_S) -> Iterator[duckdb.DuckDBPyConnection]:
+def connect(path: str | Path | None = None, *, read_only: bool = False, timeout: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection held only for the duration of the block.
 
     DuckDB lets one process at a time open a file for writing and fails at once otherwise;
     we retry with jittered backoff until `timeout`, then say who holds the lock."""
     path = Path(path) if path is not None else default_catalog_path()
+    timeout = lock_timeout() if timeout is None else timeout
     if read_only and not path.exists():
         raise MergepipeError(f"{path}: no catalog yet (run `mergepipe index` first)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout
-    delay = 0.05
+    started = time.monotonic()
+    delay, told = 0.05, False
     while True:
         try:
             con = duckdb.connect(str(path), read_only=read_only, config={"memory_limit": "4GB"})
             break
         except duckdb.IOException as err:
-            if not _is_lock_error(err) or time.monotonic() > deadline:
-                if _is_lock_error(err):
-                    raise MergepipeError(
-                        f"{path}: catalog is locked by another process for more than {timeout:.0f} s ({err})"
-                    ) from None
+            if not _is_lock_error(err):
                 raise
+            waited = time.monotonic() - started
+            if waited > timeout:
+                raise MergepipeError(
+                    f"{path}: catalog still locked by another process after {timeout:g} s "
+                    f"(MERGEPIPE_CATALOG_LOCK_TIMEOUT); {err}"
+                ) from None
+            if waited > 1 and not told:
+                progress.reporter().note(f"{path}: catalog locked by another process; waiting up to {timeout:g} s")
+                told = True
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)
     try:

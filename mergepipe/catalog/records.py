@@ -35,7 +35,8 @@ def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, bloc
     return [dict(zip(cols, row)) for row in rel.fetchall()]
 
 
-def record_run(con: duckdb.DuckDBPyConnection, run: dict) -> None:
+def record_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) -> None:
+    """A finished run and its manifest, in one transaction (never a run without its manifest)."""
     with transaction(con, new_run=pa.Table.from_pylist([run])):
         con.execute(
             "INSERT OR REPLACE INTO runs (run_id, kind, plan_digest, merge_digest, out_uri, started_at, finished_at, "
@@ -44,13 +45,10 @@ def record_run(con: duckdb.DuckDBPyConnection, run: dict) -> None:
             "finished_at, wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
             "output_bytes_written, flow_run_id FROM new_run"
         )
-
-
-def record_manifest(con: duckdb.DuckDBPyConnection, merge_digest: str, out_uri: str, manifest_json: str) -> None:
-    con.execute(
-        "INSERT OR REPLACE INTO manifests (merge_digest, out_uri, manifest_json) VALUES (?, ?, ?)",
-        [merge_digest, out_uri, manifest_json],
-    )
+        con.execute(
+            "INSERT OR REPLACE INTO manifests (merge_digest, out_uri, manifest_json) VALUES (?, ?, ?)",
+            [run["merge_digest"], run["out_uri"], manifest_json],
+        )
 
 
 def query_readonly(query: str, path: str | Path | None = None) -> tuple[list[str], list[tuple]]:

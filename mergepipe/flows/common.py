@@ -209,7 +209,6 @@ def execute_plan(
             "output_bytes_written": ledger.total("output"),
             "flow_run_id": flow_run_id(),
         },
-        manifest,
         manifest_json,
     )
     result = {

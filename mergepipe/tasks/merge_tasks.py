@@ -113,7 +113,6 @@ def publish_output(
 
 
 @task(name="record-run", cache_policy=NO_CACHE)
-def record_run(catalog: str | None, run_row: dict, manifest: dict, manifest_json: str) -> None:
+def record_run(catalog: str | None, run_row: dict, manifest_json: str) -> None:
     with db.connect(catalog) as con:
-        records.record_run(con, run_row)
-        records.record_manifest(con, manifest["digest"], run_row["out_uri"], manifest_json)
+        records.record_run(con, run_row, manifest_json)
