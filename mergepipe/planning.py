@@ -117,8 +117,7 @@ class Plan:
         return MergeSpec.model_validate(self.spec)
 
     def merge_params(self) -> MergeParams:
-        p = self.params
-        return MergeParams(tuple(p["weights"]), tuple(p["densities"]), p["lambda"], p["normalize"], p["rescale"])
+        return MergeParams.from_json(self.params)
 
     def content(self) -> dict:
         """What identifies the plan (and enters the merge digest)."""

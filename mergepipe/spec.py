@@ -27,6 +27,8 @@ class _Strict(BaseModel):
 class ModelParameters(_Strict):
     weight: float | None = None
     density: float | None = None
+    gamma: float | None = None  # breadcrumbs*
+    epsilon: float | None = None  # della*
 
     @field_validator("density")
     @classmethod
@@ -35,11 +37,23 @@ class ModelParameters(_Strict):
             raise ValueError(f"density must be in (0, 1], got {v}")
         return v
 
+    @field_validator("gamma", "epsilon")
+    @classmethod
+    def _share(cls, v: float | None) -> float | None:
+        if v is not None and not (0.0 <= v < 1.0):
+            raise ValueError(f"must be in [0, 1), got {v}")
+        return v
+
 
 class GlobalParameters(ModelParameters):
     lambda_: float | None = Field(default=None, alias="lambda")
     normalize: bool | None = None
     rescale: bool | None = None
+    t: float | None = None  # slerp
+    filter_wise: bool | None = None  # model_stock
+    nuslerp_flatten: bool | None = None
+    nuslerp_row_wise: bool | None = None
+    int8_mask: bool | None = None  # accepted for mergekit configs; changes nothing here
 
 
 class ModelEntry(_Strict):
@@ -191,30 +205,57 @@ def load_spec(path: str | Path) -> MergeSpec:
     )
 
 
-def resolve_params(spec: MergeSpec):
-    """Per-expert weights and densities plus global parameters, with the operator's defaults.
+# mergekit's defaults for per-model parameters an operator declares but the config leaves out.
+_EXPERT_DEFAULTS = {"density": 1.0, "gamma": 0.01, "epsilon": 0.15}
 
-    Precedence as in mergekit: a model's own parameters, then the global `parameters`.
-    """
+
+def resolve_params(spec: MergeSpec):
+    """Per-expert parameters and shared ones, with the operator's defaults.
+
+    Precedence as in mergekit: a model's own parameters, then the global `parameters`. A
+    parameter the operator does not take is an error naming it (mergekit ignores it)."""
     from .operators import MergeParams, get_operator
 
     op = get_operator(spec.merge_method)
     g = spec.parameters
-    weights, densities = [], []
+    k = len(spec.models)
+    if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
+        wanted = str(op.min_experts) if op.max_experts == op.min_experts else f"at least {op.min_experts}"
+        raise BadInput(f"models: merge_method {spec.merge_method!r} takes {wanted} model(s) besides the base, got {k}")
+    allowed_shared = op.shared_parameters | op.expert_parameters
+    for name, value in g.model_dump(by_alias=True).items():
+        if value is not None and name not in allowed_shared:
+            raise BadInput(f"parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
     for i, entry in enumerate(spec.models):
-        w = entry.parameters.weight if entry.parameters.weight is not None else g.weight
-        if w is None:
-            raise BadInput(
-                f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r} "
-                f"(model {entry.model})"
-            )
-        d = entry.parameters.density if entry.parameters.density is not None else g.density
-        weights.append(float(w))
-        densities.append(1.0 if d is None else float(d))
+        for name, value in entry.parameters.model_dump().items():
+            if value is not None and name not in op.expert_parameters:
+                raise BadInput(f"models[{i}].parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
+    per_expert: dict[str, list[float]] = {n: [] for n in ("weight", "density", "gamma", "epsilon")}
+    for i, entry in enumerate(spec.models):
+        for name in per_expert:
+            v = getattr(entry.parameters, name)
+            v = getattr(g, name) if v is None else v
+            if v is None and name == "weight" and "weight" in op.expert_parameters:
+                raise BadInput(
+                    f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r} "
+                    f"(model {entry.model})"
+                )
+            per_expert[name].append(float(_EXPERT_DEFAULTS.get(name, 1.0) if v is None else v))
+        d, e = per_expert["density"][-1], per_expert["epsilon"][-1]
+        if "epsilon" in op.expert_parameters and d < 1 and not (0 < d - e and d + e < 1):
+            raise BadInput(f"models[{i}].parameters.epsilon: density ± epsilon must lie in (0, 1), got {d} ± {e}")
+    if "t" in getattr(op, "required_shared", ()) and g.t is None:
+        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}")
     return MergeParams(
-        weights=tuple(weights),
-        densities=tuple(densities),
+        weights=tuple(per_expert["weight"]),
+        densities=tuple(per_expert["density"]),
         lam=1.0 if g.lambda_ is None else float(g.lambda_),
         normalize=op.default_normalize if g.normalize is None else g.normalize,
         rescale=op.default_rescale if g.rescale is None else g.rescale,
+        gammas=tuple(per_expert["gamma"]) if "gamma" in op.expert_parameters else (),
+        epsilons=tuple(per_expert["epsilon"]) if "epsilon" in op.expert_parameters else (),
+        t=g.t,
+        filter_wise=bool(g.filter_wise),
+        nuslerp_flatten=True if g.nuslerp_flatten is None else g.nuslerp_flatten,
+        nuslerp_row_wise=bool(g.nuslerp_row_wise),
     )

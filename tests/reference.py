@@ -83,7 +83,7 @@ def merge_tensor(method, name, base, experts, weights, densities, lam, normalize
     if method == "linear":
         acc = torch.zeros_like(b)
         for w, x in zip(weights, xs):
-            acc = acc + x * w
+            acc.addcmul_(x, torch.tensor(w, dtype=torch.float32))  # mergekit 0.1.5: multiply-add
         return acc / den_of(weights) if normalize else acc
     deltas = []
     for i, x in enumerate(xs):

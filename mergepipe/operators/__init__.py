@@ -10,10 +10,10 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .gta import GeneralizedTaskArithmetic, _magnitude, _no_sparsify
+from .gta import GTA_OPERATORS
+from .interpolation import ModelStock, NuSlerp, Slerp
 from .linear import Linear
 from .params import MergeParams, TensorContext
-from .sparsify import random_drop
 
 
 class Operator(Protocol):
@@ -22,6 +22,10 @@ class Operator(Protocol):
     default_rescale: bool
     uses_density: bool
     additive: bool
+    expert_parameters: frozenset[str]  # mergekit parameter names set per model
+    shared_parameters: frozenset[str]  # and those set once (`parameters:`)
+    min_experts: int
+    max_experts: int | None
 
     def coefficients(self, params: MergeParams) -> list[float]: ...
 
@@ -30,28 +34,7 @@ class Operator(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _gta(name: str, sparsify, consensus: bool, normalize: bool, rescale: bool, uses_density: bool) -> GeneralizedTaskArithmetic:
-    return GeneralizedTaskArithmetic(
-        name=name,
-        sparsify=sparsify,
-        consensus=consensus,
-        default_normalize=normalize,
-        default_rescale=rescale,
-        uses_density=uses_density,
-        additive=not consensus and not uses_density,
-    )
-
-
-OPERATORS: dict[str, Operator] = {
-    op.name: op
-    for op in (
-        Linear(),
-        _gta("task_arithmetic", _no_sparsify, consensus=False, normalize=False, rescale=False, uses_density=False),
-        _gta("ties", _magnitude, consensus=True, normalize=True, rescale=False, uses_density=True),
-        _gta("dare_linear", random_drop, consensus=False, normalize=False, rescale=True, uses_density=True),
-        _gta("dare_ties", random_drop, consensus=True, normalize=False, rescale=True, uses_density=True),
-    )
-}
+OPERATORS: dict[str, Operator] = {op.name: op for op in (Linear(), *GTA_OPERATORS, Slerp(), NuSlerp(), ModelStock())}
 
 
 def get_operator(name: str) -> Operator:

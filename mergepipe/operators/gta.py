@@ -1,4 +1,5 @@
-"""Generalized task arithmetic: one parameterised class for task_arithmetic, ties, dare_*.
+"""Generalized task arithmetic: one parameterised class for task_arithmetic, ties, dare_*,
+breadcrumbs*, della* (mergekit 0.1.5's GeneralizedTaskArithmeticMerge semantics).
 
     delta_i = w_i * sparsify(x_i - base)
     consensus:  s* = sign(sum_i delta_i) (ties go to +), m_i = [sign(delta_i) == s*]
@@ -6,7 +7,9 @@
     otherwise:  num = sum_i delta_i,        den = sum_i w_i (|den| < 1e-8 -> 1)
     out = base + lambda * (num / den if normalize else num)
 
-Two passes over the experts (sign election, then accumulation), never a K-stacked buffer.
+Bounded memory: the sign election is one pass over the experts (a running sum), the
+accumulation a second pass that sparsifies each expert again (the sparsifiers are
+deterministic), so at most a few tensor-sized buffers live at once, never K of them.
 """
 
 from __future__ import annotations
@@ -17,17 +20,29 @@ from typing import Callable, Sequence
 import torch
 
 from .params import MergeParams, TensorContext
-from .sparsify import magnitude_prune, random_drop
+from .sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
-Sparsifier = Callable[[torch.Tensor, float, bool, int, TensorContext], torch.Tensor]
+Sparsifier = Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]
 
 
-def _no_sparsify(tau: torch.Tensor, density: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
+def no_sparsify(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
     return tau
 
 
-def _magnitude(tau: torch.Tensor, density: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
-    return magnitude_prune(tau, density, rescale)
+def magnitude(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+    return magnitude_prune(tau, params.densities[i], params.rescale)
+
+
+def dare(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+    return random_drop(tau, params.densities[i], params.rescale, i, ctx)
+
+
+def breadcrumbs(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+    return magnitude_outliers(tau, params.densities[i], params.gammas[i], params.rescale)
+
+
+def della(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+    return della_prune(tau, params.densities[i], params.epsilons[i], params.rescale, i, ctx)
 
 
 def scalar_denominator(weights: Sequence[float]) -> float:
@@ -42,37 +57,61 @@ class GeneralizedTaskArithmetic:
     consensus: bool
     default_normalize: bool
     default_rescale: bool
-    uses_density: bool
-    # The error bound of DESIGN.md holds only when the result is linear in each delta with
-    # fixed coefficients: no sparsification, no sign election.
-    additive: bool
+    expert_parameters: frozenset[str]
+    shared_parameters: frozenset[str] = frozenset({"lambda", "normalize", "rescale", "int8_mask"})
+    min_experts: int = 1
+    max_experts: int | None = None
+
+    @property
+    def uses_density(self) -> bool:
+        return "density" in self.expert_parameters
+
+    @property
+    def additive(self) -> bool:
+        """The error bound of DESIGN.md holds only when the result is linear in each delta with
+        fixed coefficients: no sparsification, no sign election."""
+        return self.sparsify is no_sparsify and not self.consensus
 
     def coefficients(self, params: MergeParams) -> list[float]:
         """|c_k| in out = base + sum_k c_k * delta_k (exact when additive, a proxy otherwise)."""
         den = scalar_denominator(params.weights) if params.normalize else 1.0
         return [abs(params.lam * w / den) for w in params.weights]
 
+    def _delta(self, base: torch.Tensor, x: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+        return self.sparsify(x - base, params, i, ctx) * params.weights[i]
+
     def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
-        deltas = []
-        for i, x in enumerate(experts):
-            d = self.sparsify(x - base, params.densities[i], params.rescale, i, ctx)
-            deltas.append(d * params.weights[i])
         if self.consensus:
             total = torch.zeros_like(base)
-            for d in deltas:
-                total = total + d
+            for i, x in enumerate(experts):
+                total += self._delta(base, x, params, i, ctx)
             positive = total >= 0
+            del total
             num = torch.zeros_like(base)
             den = torch.zeros_like(base)
-            for i, d in enumerate(deltas):
+            for i, x in enumerate(experts):
+                d = self._delta(base, x, params, i, ctx)
                 agree = torch.where(positive, d > 0, d < 0).to(base.dtype)
-                num = num + d * agree
-                den = den + agree * params.weights[i]
-            den = torch.where(den == 0, torch.ones_like(den), den)
+                num += d * agree
+                den += agree * params.weights[i]
+            den[den == 0] = 1
             mixed = num / den if params.normalize else num
         else:
-            num = torch.zeros_like(base)
-            for d in deltas:
-                num = num + d
-            mixed = num / scalar_denominator(params.weights) if params.normalize else num
+            mixed = torch.zeros_like(base)
+            for i, x in enumerate(experts):
+                mixed += self._delta(base, x, params, i, ctx)
+            if params.normalize:
+                mixed = mixed / scalar_denominator(params.weights)
         return base + mixed * params.lam
+
+
+GTA_OPERATORS = (
+    GeneralizedTaskArithmetic("task_arithmetic", no_sparsify, False, False, False, frozenset({"weight", "density"})),
+    GeneralizedTaskArithmetic("ties", magnitude, True, True, False, frozenset({"weight", "density"})),
+    GeneralizedTaskArithmetic("dare_linear", dare, False, False, True, frozenset({"weight", "density"})),
+    GeneralizedTaskArithmetic("dare_ties", dare, True, False, True, frozenset({"weight", "density"})),
+    GeneralizedTaskArithmetic("breadcrumbs", breadcrumbs, False, False, False, frozenset({"weight", "density", "gamma"})),
+    GeneralizedTaskArithmetic("breadcrumbs_ties", breadcrumbs, True, False, False, frozenset({"weight", "density", "gamma"})),
+    GeneralizedTaskArithmetic("della", della, True, True, True, frozenset({"weight", "density", "epsilon"})),
+    GeneralizedTaskArithmetic("della_linear", della, False, False, True, frozenset({"weight", "density", "epsilon"})),
+)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 
@@ -18,22 +19,40 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class MergeParams:
-    """Parameters resolved for one merge: one weight and density per expert, in config order."""
+    """Parameters resolved for one merge: per-expert values in config order, then shared ones
+    (mergekit's names and defaults; an operator reads only those it declares)."""
 
     weights: tuple[float, ...]
     densities: tuple[float, ...]
-    lam: float
-    normalize: bool
-    rescale: bool
+    lam: float = 1.0
+    normalize: bool = False
+    rescale: bool = False
+    gammas: tuple[float, ...] = ()  # breadcrumbs: share of the largest |delta| dropped
+    epsilons: tuple[float, ...] = ()  # della: spread of keep probabilities around density
+    t: float | None = None  # slerp: 0 = base, 1 = the expert
+    base_weight: float | None = None  # linear: the base as a weighted input (None: not an input)
+    filter_wise: bool = False  # model_stock: one angle per row instead of per tensor
+    nuslerp_flatten: bool = True
+    nuslerp_row_wise: bool = False
 
     def as_json(self) -> dict:
-        return {
-            "weights": list(self.weights),
-            "densities": list(self.densities),
-            "lambda": self.lam,
-            "normalize": self.normalize,
-            "rescale": self.rescale,
-        }
+        data = asdict(self)
+        for k in ("weights", "densities", "gammas", "epsilons"):
+            data[k] = list(data[k])
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "MergeParams":
+        data = dict(data)
+        for k in ("weights", "densities", "gammas", "epsilons"):
+            data[k] = tuple(data.get(k, ()))
+        return cls(**data)
+
+
+def _seeded_keep(expert: int, probs: torch.Tensor, ctx: "TensorContext") -> torch.Tensor:
+    from .sparsify import bernoulli_keep_mask
+
+    return bernoulli_keep_mask(probs, expert, ctx)
 
 
 @dataclass(frozen=True)
@@ -42,8 +61,11 @@ class TensorContext:
 
     block_rows: the (row_start, row_end) ranges of the tensor's blocks along dim 0, so that
     stochastic operators can seed per block and never depend on scheduling.
-    """
+    keep: draws a keep-mask for an expert from per-element keep probabilities (a tensor of the
+    delta's shape, or a 0-d one); by default from generators seeded per block. Tests replace it
+    to replay masks another implementation drew."""
 
     name: str
     block_rows: tuple[tuple[int, int], ...]
     seed: int
+    keep: Callable[[int, torch.Tensor, "TensorContext"], torch.Tensor] = field(default=_seeded_keep, compare=False)

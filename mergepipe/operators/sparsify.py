@@ -1,8 +1,11 @@
-"""Sparsifiers of a task vector: magnitude top-k (TIES) and seeded Bernoulli drop (DARE).
+"""Sparsifiers of a task vector, mergekit 0.1.5's four (refs/mergekit.md §4.1): magnitude top-k
+(TIES), Bernoulli drop (DARE), magnitude outliers (breadcrumbs) and rank-weighted Bernoulli
+drop (DELLA), each optionally rescaled to the unpruned L1 norm.
 
-Both follow mergekit 0.1.5 (refs/mergekit.md §4.1), with two deliberate differences that make
-results independent of scheduling and machine: DARE masks are drawn per block from a generator
-seeded by (seed, expert, tensor, block), and magnitude ties are broken by flat index order.
+Deliberate differences, so that results do not depend on scheduling, thread count or sort
+implementation: random masks come from generators seeded per (seed, expert, tensor, block);
+ties in magnitude are broken by flat index (mergekit's sorts are unstable); L1 norms are summed
+in fp64 by numpy's single-threaded pairwise sum (torch's fp32 sum changes with the thread count).
 """
 
 from __future__ import annotations
@@ -23,23 +26,24 @@ def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
 
 
-def bernoulli_keep_mask(tau: torch.Tensor, density: float, expert: int, ctx: TensorContext) -> torch.Tensor:
-    """Keep-mask with P(keep) = density, drawn block by block (rows of dim 0)."""
-    flat_rows = as_rows(tau)
-    mask = torch.empty(flat_rows.shape, dtype=torch.bool)
+def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext, shape: torch.Size | None = None) -> torch.Tensor:
+    """Keep-mask, P(keep) = probs (per element, or one 0-d value), drawn block by block (rows of
+    dim 0) from seeded generators: uniform draws in fp32, kept where draw < p."""
+    shape = probs.shape if shape is None else shape
+    template = torch.empty(shape, dtype=torch.float32)
+    rows = as_rows(template)
+    p_rows = as_rows(probs.expand(shape)) if probs.dim() else probs
+    mask = torch.empty(rows.shape, dtype=torch.bool)
     for b, (r0, r1) in enumerate(ctx.block_rows):
         g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, b))
-        draws = torch.rand((r1 - r0, flat_rows.shape[1]), generator=g, dtype=torch.float32)
-        mask[r0:r1] = draws < density
-    return mask.reshape(tau.shape)
+        draws = torch.rand((r1 - r0, rows.shape[1]), generator=g, dtype=torch.float32)
+        mask[r0:r1] = draws < (p_rows[r0:r1] if probs.dim() else p_rows)
+    return mask.reshape(shape)
 
 
 def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
-    """Scale `pruned` so its L1 norm matches `original`'s (mergekit's RescaleNorm.l1).
-
-    Norms are summed in fp64 by numpy's single-threaded pairwise sum, so the factor does not
-    depend on how many threads a machine has.
-    """
+    """Scale `pruned` so its L1 norm matches `original`'s (mergekit's RescaleNorm.l1); left
+    as it is when either norm is below 1e-7."""
     n_orig = float(np.abs(original.numpy()).sum(dtype=np.float64))
     n_pruned = float(np.abs(pruned.numpy()).sum(dtype=np.float64))
     if n_orig < _RESCALE_EPS or n_pruned < _RESCALE_EPS:
@@ -47,32 +51,90 @@ def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
     return pruned * torch.tensor(n_orig / n_pruned, dtype=pruned.dtype)
 
 
-def random_drop(tau: torch.Tensor, density: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
-    if density >= 1.0:
-        return tau
-    kept = tau * bernoulli_keep_mask(tau, density, expert, ctx).to(tau.dtype)
+def _masked(tau: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Tensor:
+    kept = tau * keep.to(tau.dtype)
     return l1_rescale(tau, kept) if rescale else kept
 
 
+def random_drop(tau: torch.Tensor, density: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
+    """DARE: keep each element with probability `density`."""
+    if density >= 1.0:
+        return tau
+    probs = torch.tensor(density, dtype=torch.float32)
+    return _masked(tau, ctx.keep(expert, probs.expand(tau.shape), ctx), rescale)
+
+
+def rank_below(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the k smallest of a flat tensor, ties at the threshold going to the lowest
+    indices: a k-th value selection and a running count, never a full sort."""
+    n = values.numel()
+    if k <= 0:
+        return torch.zeros(n, dtype=torch.bool)
+    if k >= n:
+        return torch.ones(n, dtype=torch.bool)
+    threshold = torch.kthvalue(values, k).values
+    keep = values < threshold
+    at_threshold = values == threshold
+    return keep | (at_threshold & (torch.cumsum(at_threshold, 0) <= k - int(keep.sum())))
+
+
 def magnitude_keep_mask(tau: torch.Tensor, density: float) -> torch.Tensor:
-    """Keep the k = max(1, floor(density * n)) largest |tau|; ties at the threshold go to the
-    lowest flat indices. Uses a k-th value selection, not a full argsort."""
+    """TIES: keep the k = max(1, floor(density * n)) largest |tau|; ties at the threshold go to
+    the lowest flat indices."""
     flat = tau.reshape(-1).abs()
     n = flat.numel()
     k = max(1, int(density * n))
     if k >= n:
         return torch.ones_like(tau, dtype=torch.bool)
-    threshold = torch.kthvalue(flat, n - k + 1).values
-    keep = flat > threshold
-    missing = k - int(keep.sum())
-    if missing > 0:
-        at_threshold = flat == threshold
-        keep |= at_threshold & (torch.cumsum(at_threshold, 0) <= missing)
-    return keep.reshape(tau.shape)
+    # The k largest are the complement of the n - k smallest under the reversed tie order.
+    smallest = rank_below(flat.flip(0), n - k).flip(0)
+    return (~smallest).reshape(tau.shape)
 
 
 def magnitude_prune(tau: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
     if density >= 1.0 or tau.numel() == 0:
         return tau
-    kept = tau * magnitude_keep_mask(tau, density).to(tau.dtype)
-    return l1_rescale(tau, kept) if rescale else kept
+    return _masked(tau, magnitude_keep_mask(tau, density), rescale)
+
+
+def outliers_keep_mask(tau: torch.Tensor, density: float, gamma: float) -> torch.Tensor:
+    """Breadcrumbs: rank |tau| ascending over the whole tensor; drop the n_top = floor(gamma * n)
+    largest, then the smallest until floor(density * n) remain (the top cut shrinks when
+    density + gamma > 1)."""
+    flat = tau.reshape(-1).abs()
+    n = flat.numel()
+    target = int(density * n)
+    n_bottom = max(0, n - target - int(gamma * n))
+    keep = rank_below(flat, n_bottom + target) & ~rank_below(flat, n_bottom)
+    return keep.reshape(tau.shape)
+
+
+def magnitude_outliers(tau: torch.Tensor, density: float, gamma: float, rescale: bool) -> torch.Tensor:
+    if density >= 1.0:
+        return tau
+    return _masked(tau, outliers_keep_mask(tau, density, gamma), rescale)
+
+
+def della_keep_probs(tau: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
+    """DELLA: per row (dim 1 ranks, as mergekit; a 1-D tensor is one row), the smallest |tau|
+    kept with probability density - epsilon, the largest with density + epsilon, linear in
+    rank between. Ties in magnitude rank by index."""
+    mags = tau.abs() if tau.dim() >= 2 else tau.abs().reshape(1, -1)
+    n = mags.shape[1]
+    order = torch.argsort(mags, dim=1, stable=True)
+    ranks = torch.empty_like(order)
+    positions = torch.arange(n).reshape(1, n, *([1] * (mags.dim() - 2))).expand_as(order)
+    ranks.scatter_(1, order, positions.contiguous())
+    ranks = ranks.to(torch.float32) + 1
+    lo = ranks.min(dim=1, keepdim=True).values
+    hi = ranks.max(dim=1, keepdim=True).values
+    # A row of one element has no spread (mergekit divides by zero there): it keeps `density`.
+    spread = torch.where(hi > lo, ((ranks - lo) / (hi - lo)).clamp(0, 1), 0.5)
+    probs = (density - epsilon) + spread * 2 * epsilon
+    return probs.reshape(tau.shape)
+
+
+def della_prune(tau: torch.Tensor, density: float, epsilon: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
+    if density >= 1.0:
+        return tau
+    return _masked(tau, ctx.keep(expert, della_keep_probs(tau, density, epsilon), ctx), rescale)

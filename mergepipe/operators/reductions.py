@@ -1,0 +1,34 @@
+"""Whole-tensor sums and norms that do not depend on the thread count.
+
+torch reduces up to 32768 elements on one thread (its parallel grain) and splits larger
+single-output reductions across threads, so the rounding of a sum changes with the machine.
+Below the grain these are torch's own reductions (so small tensors match other torch code, such
+as mergekit, bit for bit); above it, torch reduces fixed chunks of the grain's size and the
+chunk results are combined in fp64 in a fixed order."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GRAIN = 32768
+
+
+def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
+    return [flat[i : i + GRAIN] for i in range(0, flat.numel(), GRAIN)]
+
+
+def fixed_sum(flat: torch.Tensor) -> torch.Tensor:
+    """Sum of a 1-D tensor, as a 0-d tensor of its dtype."""
+    if flat.numel() <= GRAIN:
+        return flat.sum()
+    parts = np.array([float(c.sum()) for c in _chunks(flat)], dtype=np.float64)
+    return torch.tensor(parts.sum(), dtype=flat.dtype)
+
+
+def fixed_norm(flat: torch.Tensor) -> torch.Tensor:
+    """Euclidean norm of a 1-D tensor, as a 0-d tensor of its dtype."""
+    if flat.numel() <= GRAIN:
+        return torch.linalg.vector_norm(flat)
+    parts = np.array([float(torch.linalg.vector_norm(c)) for c in _chunks(flat)], dtype=np.float64)
+    return torch.tensor(np.sqrt(np.square(parts).sum()), dtype=flat.dtype)
