@@ -26,19 +26,16 @@ def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
 
 
-def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext, shape: torch.Size | None = None) -> torch.Tensor:
-    """Keep-mask, P(keep) = probs (per element, or one 0-d value), drawn block by block (rows of
+def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext) -> torch.Tensor:
+    """Keep-mask, P(keep) = probs (one per element of the delta), drawn block by block (rows of
     dim 0) from seeded generators: uniform draws in fp32, kept where draw < p."""
-    shape = probs.shape if shape is None else shape
-    template = torch.empty(shape, dtype=torch.float32)
-    rows = as_rows(template)
-    p_rows = as_rows(probs.expand(shape)) if probs.dim() else probs
-    mask = torch.empty(rows.shape, dtype=torch.bool)
+    p_rows = as_rows(probs)
+    mask = torch.empty(p_rows.shape, dtype=torch.bool)
     for b, (r0, r1) in enumerate(ctx.block_rows):
         g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, b))
-        draws = torch.rand((r1 - r0, rows.shape[1]), generator=g, dtype=torch.float32)
-        mask[r0:r1] = draws < (p_rows[r0:r1] if probs.dim() else p_rows)
-    return mask.reshape(shape)
+        draws = torch.rand((r1 - r0, p_rows.shape[1]), generator=g, dtype=torch.float32)
+        mask[r0:r1] = draws < p_rows[r0:r1]
+    return mask.reshape(probs.shape)
 
 
 def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
