@@ -91,10 +91,10 @@ ConfigArg = typer.Argument(..., help="The merge config: a YAML file or an s3:// 
 
 def _check_config(config: str):
     """Validate the config before starting any flow (and Prefect's server): bad input fails fast."""
-    from .spec import load_spec, resolve_params
+    from .spec import check_parameters, load_spec
 
     spec = load_spec(config)
-    resolve_params(spec)
+    check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
     return spec
 
 

@@ -52,7 +52,7 @@ class GroupMerger:
         self.reader = RangeReader(ledger)
         spec = plan.merge_spec()
         self.op = get_operator(spec.merge_method)
-        self.params = plan.merge_params()
+        self.params = plan.param_table()
         self.seed = spec.seed
         self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
         # SHA-256 of the bytes this group writes, in layout order: what a resumed merge checks
@@ -103,7 +103,7 @@ class GroupMerger:
             for k in range(len(self.plan.inputs) - 1)
         ]
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
-        merged = self.op.merge(base, experts, self.params, ctx)
+        merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)

@@ -32,11 +32,31 @@ def byte_range(start: int, shape: tuple[int, ...], itemsize: int, r0: int, r1: i
     return start + r0 * n, start + r1 * n
 
 
+def layer_index(name: str) -> int | None:
+    """The transformer layer a tensor belongs to, from its name; None outside the layers."""
+    m = _LAYER.search(name)
+    return int(m.group(1)) if m else None
+
+
+def layer_count(names) -> int:
+    """How many layers a model has: one more than the highest layer index among its tensors."""
+    return max((i for i in map(layer_index, names) if i is not None), default=-1) + 1
+
+
+def layer_position(name: str, n_layers: int) -> float:
+    """Where a tensor sits for gradients, as mergekit computes it: layer / (n_layers - 1), 1 when
+    there is one layer, and 0 for tensors outside the layers (embeddings, final norm, head)."""
+    i = layer_index(name)
+    if i is None:
+        return 0.0
+    return i / (n_layers - 1) if n_layers > 1 else 1.0
+
+
 def layer_group(name: str) -> str:
     """The execution group of a tensor: its transformer layer, or embeddings / head / other."""
-    m = _LAYER.search(name)
-    if m:
-        return f"layer.{int(m.group(1)):05d}"
+    i = layer_index(name)
+    if i is not None:
+        return f"layer.{i:05d}"
     lowered = name.lower()
     if "embed" in lowered or "wte" in lowered or "wpe" in lowered:
         return "embeddings"

@@ -20,8 +20,8 @@ import pyarrow.parquet as pq
 
 from .canonical import digest_of, round_sig
 from .family import Family, model_fingerprint
-from .operators import MergeParams, get_operator
-from .spec import MergeSpec, resolve_params
+from .operators import ParamTable, get_operator
+from .spec import MergeSpec, resolve_tensor_params
 from .storage.safetensors_format import CONFIG_DTYPES, DTYPES
 
 ACCESS_SCHEMA = pa.schema(
@@ -91,7 +91,7 @@ class Plan:
     plan_digest: str
     spec: dict  # the full spec (with model locations, without storage options)
     spec_content: dict  # the spec as it enters digests
-    params: dict
+    params: dict  # a ParamTable: the operator's parameters per tensor
     inputs: list[InputModel]
     block_size: int
     budget: dict
@@ -116,8 +116,8 @@ class Plan:
     def merge_spec(self) -> MergeSpec:
         return MergeSpec.model_validate(self.spec)
 
-    def merge_params(self) -> MergeParams:
-        return MergeParams.from_json(self.params)
+    def param_table(self) -> ParamTable:
+        return ParamTable.from_json(self.params)
 
     def content(self) -> dict:
         """What identifies the plan (and enters the merge digest)."""
@@ -185,7 +185,7 @@ def build_plan(
     """Assemble a plan from a chosen access set (from the planner, or from a manifest)."""
     access = access.select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     op = get_operator(spec.merge_method)
-    params = resolve_params(spec)
+    params = resolve_tensor_params(spec, family.base.tensors)
     inputs = describe_inputs(family, content)
     access_sha = access_set_sha256(access)
     spec_content = spec.content()

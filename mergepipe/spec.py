@@ -13,6 +13,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import BadInput
+from .layout import layer_count, layer_position
+from .settings import evaluate, parse_setting
 from .sizes import Budget, parse_budget, parse_size
 from .storage.location import is_remote, join, normalize, split
 from .storage.reader import read_small_file, stat
@@ -24,36 +26,58 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-class ModelParameters(_Strict):
-    weight: float | None = None
-    density: float | None = None
-    gamma: float | None = None  # breadcrumbs*
-    epsilon: float | None = None  # della*
+def _in_density_range(v: float) -> None:
+    if not (0.0 < v <= 1.0):
+        raise ValueError(f"density must be in (0, 1], got {v}")
 
-    @field_validator("density")
-    @classmethod
-    def _density_range(cls, v: float | None) -> float | None:
-        if v is not None and not (0.0 < v <= 1.0):
-            raise ValueError(f"density must be in (0, 1], got {v}")
-        return v
 
-    @field_validator("gamma", "epsilon")
+def _in_share_range(v: float) -> None:
+    if not (0.0 <= v < 1.0):
+        raise ValueError(f"must be in [0, 1), got {v}")
+
+
+# Each parameter's value type and range. A value may be a scalar, a gradient over the layers or
+# a list of {filter, value} conditions (settings.py); every number in it is checked.
+PARAMETER_KINDS: dict[str, tuple[str, object]] = {
+    "weight": ("float", None),
+    "density": ("float", _in_density_range),
+    "gamma": ("float", _in_share_range),  # breadcrumbs*
+    "epsilon": ("float", _in_share_range),  # della*
+    "lambda": ("float", None),
+    "t": ("float", None),  # slerp
+    "normalize": ("bool", None),
+    "rescale": ("bool", None),
+    "filter_wise": ("bool", None),  # model_stock
+    "nuslerp_flatten": ("bool", None),
+    "nuslerp_row_wise": ("bool", None),
+    "int8_mask": ("bool", None),  # accepted for mergekit configs; changes nothing here
+}
+
+
+class _Parameters(_Strict):
+    @field_validator("*", mode="before")
     @classmethod
-    def _share(cls, v: float | None) -> float | None:
-        if v is not None and not (0.0 <= v < 1.0):
-            raise ValueError(f"must be in [0, 1), got {v}")
-        return v
+    def _setting(cls, v: Any, info) -> Any:
+        kind, check = PARAMETER_KINDS[cls.model_fields[info.field_name].alias or info.field_name]
+        return parse_setting(v, kind, check)
+
+
+class ModelParameters(_Parameters):
+    weight: Any = None
+    density: Any = None
+    gamma: Any = None
+    epsilon: Any = None
 
 
 class GlobalParameters(ModelParameters):
-    lambda_: float | None = Field(default=None, alias="lambda")
-    normalize: bool | None = None
-    rescale: bool | None = None
-    t: float | None = None  # slerp
-    filter_wise: bool | None = None  # model_stock
-    nuslerp_flatten: bool | None = None
-    nuslerp_row_wise: bool | None = None
-    int8_mask: bool | None = None  # accepted for mergekit configs; changes nothing here
+    lambda_: Any = Field(default=None, alias="lambda")
+    normalize: Any = None
+    rescale: Any = None
+    t: Any = None
+    filter_wise: Any = None
+    nuslerp_flatten: Any = None
+    nuslerp_row_wise: Any = None
+    int8_mask: Any = None
 
 
 class ModelEntry(_Strict):
@@ -61,8 +85,18 @@ class ModelEntry(_Strict):
     parameters: ModelParameters = ModelParameters()
 
 
+_UNSUPPORTED_KEYS = {
+    "slices": "it merges whole models with the same layers; use the `models:` form",
+    "modules": "it merges whole models; use the `models:` form",
+    "tokenizer": "the output takes the base's tokenizer, as with `tokenizer_source: base`",
+    "chat_template": "the output takes the base's tokenizer files as they are",
+}
+
+
 class MergeSpec(_Strict):
     merge_method: str
+    # mergekit's linear takes no base; a linear config without one uses its first model as the
+    # reference that deltas are taken against (the _default_base validator).
     base_model: str
     models: list[ModelEntry] = Field(min_length=1)
     parameters: GlobalParameters = GlobalParameters()
@@ -79,6 +113,33 @@ class MergeSpec(_Strict):
     allow_nonfinite: bool = False
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+
+    # Only "base" (the base's tokenizer files are copied with its other sidecar files).
+    tokenizer_source: Literal["base"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        """mergekit keys mergepipe does not implement: refused by name, never ignored."""
+        if isinstance(data, dict):
+            for key, why in _UNSUPPORTED_KEYS.items():
+                if key in data:
+                    raise BadInput(f"{key}: not supported by mergepipe ({why})")
+            source = data.get("tokenizer_source")
+            if source is not None and source != "base":
+                raise BadInput(
+                    f"tokenizer_source: only `base` is supported (the base's tokenizer files are copied), got {source!r}"
+                )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_base(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("base_model") is None and data.get("merge_method") == "linear":
+            models = data.get("models")
+            if isinstance(models, list) and models and isinstance(models[0], dict) and "model" in models[0]:
+                data = {**data, "base_model": models[0]["model"]}
+        return data
 
     @field_validator("merge_method")
     @classmethod
@@ -119,8 +180,18 @@ class MergeSpec(_Strict):
         return parse_budget(self.budget)
 
     @property
+    def base_entry(self) -> ModelEntry | None:
+        """The base's own entry among `models:`, if the config lists it (mergekit's examples
+        often do): its parameters count only where the operator takes the base as an input."""
+        return next((m for m in self.models if m.model == self.base_model), None)
+
+    @property
+    def expert_entries(self) -> list[ModelEntry]:
+        return [m for m in self.models if m.model != self.base_model]
+
+    @property
     def expert_uris(self) -> list[str]:
-        return [m.model for m in self.models]
+        return [m.model for m in self.expert_entries]
 
     def with_overrides(self, **changes: Any) -> "MergeSpec":
         """A copy with some keys replaced (CLI flags such as --budget), validated again."""
@@ -133,9 +204,13 @@ class MergeSpec(_Strict):
         no storage options (they may hold credentials), no allow_nonfinite (it changes no byte)."""
         data = self.model_dump(by_alias=True, exclude={"storage_options", "allow_nonfinite"})
         data["base_model"] = "base"
+        experts = iter(range(len(self.models)))
         data["models"] = [
-            {"model": f"expert-{i}", "parameters": m.parameters.model_dump(by_alias=True)}
-            for i, m in enumerate(self.models)
+            {
+                "model": "base" if m.model == self.base_model else f"expert-{next(experts)}",
+                "parameters": m.parameters.model_dump(by_alias=True),
+            }
+            for m in self.models
         ]
         data["block_size"] = self.block_size_bytes
         data["out_shard_size"] = self.out_shard_size_bytes
@@ -145,7 +220,7 @@ class MergeSpec(_Strict):
 def _format_error(err: ValidationError, source: str) -> str:
     first = err.errors()[0]
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
-    msg = first["msg"]
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif first["type"] == "missing":
@@ -195,6 +270,13 @@ def load_spec(path: str | Path) -> MergeSpec:
         raise BadInput(f"{path}: not valid YAML: {err}") from None
     spec = validate_spec(data, source=path)
     base_dir = split(path)[0] if is_remote(path) else str(Path(path).resolve().parent)
+    for key, ref in [("base_model", spec.base_model)] + [(f"models[{i}].model", m.model) for i, m in enumerate(spec.models)]:
+        where = _resolve_location(ref, base_dir)
+        if "+" in ref and not is_remote(where) and not Path(where).exists():
+            raise BadInput(
+                f"{path}: {key}: {ref!r} is a LoRA reference (model+adapter), which mergepipe does not merge; "
+                "merge the adapter into its model first"
+            )
     return spec.model_copy(
         update={
             "base_model": _resolve_location(spec.base_model, base_dir),
@@ -207,18 +289,17 @@ def load_spec(path: str | Path) -> MergeSpec:
 
 # mergekit's defaults for per-model parameters an operator declares but the config leaves out.
 _EXPERT_DEFAULTS = {"density": 1.0, "gamma": 0.01, "epsilon": 0.15}
+_PER_EXPERT = ("weight", "density", "gamma", "epsilon")
 
 
-def resolve_params(spec: MergeSpec):
-    """Per-expert parameters and shared ones, with the operator's defaults.
-
-    Precedence as in mergekit: a model's own parameters, then the global `parameters`. A
-    parameter the operator does not take is an error naming it (mergekit ignores it)."""
-    from .operators import MergeParams, get_operator
+def check_parameters(spec: MergeSpec) -> None:
+    """What can be checked before the tensor names are known: the model count and that every
+    parameter given is one the operator takes (mergekit ignores the others)."""
+    from .operators import get_operator
 
     op = get_operator(spec.merge_method)
     g = spec.parameters
-    k = len(spec.models)
+    k = len(spec.expert_entries)
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
         wanted = str(op.min_experts) if op.max_experts == op.min_experts else f"at least {op.min_experts}"
         raise BadInput(f"models: merge_method {spec.merge_method!r} takes {wanted} model(s) besides the base, got {k}")
@@ -230,32 +311,84 @@ def resolve_params(spec: MergeSpec):
         for name, value in entry.parameters.model_dump().items():
             if value is not None and name not in op.expert_parameters:
                 raise BadInput(f"models[{i}].parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
-    per_expert: dict[str, list[float]] = {n: [] for n in ("weight", "density", "gamma", "epsilon")}
+    if "t" in getattr(op, "required_shared", ()) and g.t is None:
+        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}")
+
+
+def _where(tensor: str) -> str:
+    return f" for tensor {tensor!r}" if tensor else ""
+
+
+def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0):
+    """The parameters of one tensor at layer position t, with the operator's defaults.
+
+    Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
+    whose filters do not match the tensor falls through to the next level. The base's entry
+    among `models:` counts only for linear, where the base is a weighted input; a linear config
+    that does not list the base weighs it with a global weight if there is one (as mergekit
+    adds it as an input), and leaves it out otherwise."""
+    from .operators import MergeParams, get_operator
+
+    check_parameters(spec)
+    op = get_operator(spec.merge_method)
+    g = spec.parameters
+
+    def shared(name: str, default):
+        v = evaluate(getattr(g, name), tensor, t)
+        return default if v is None else v
+
+    per_expert: dict[str, list[float]] = {n: [] for n in _PER_EXPERT}
     for i, entry in enumerate(spec.models):
-        for name in per_expert:
-            v = getattr(entry.parameters, name)
-            v = getattr(g, name) if v is None else v
+        if entry.model == spec.base_model:
+            continue
+        for name in _PER_EXPERT:
+            v = evaluate(getattr(entry.parameters, name), tensor, t)
+            v = evaluate(getattr(g, name), tensor, t) if v is None else v
             if v is None and name == "weight" and "weight" in op.expert_parameters:
                 raise BadInput(
-                    f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r} "
-                    f"(model {entry.model})"
+                    f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r}"
+                    f"{_where(tensor)} (model {entry.model}); no value, no matching filter and no global weight"
                 )
             per_expert[name].append(float(_EXPERT_DEFAULTS.get(name, 1.0) if v is None else v))
         d, e = per_expert["density"][-1], per_expert["epsilon"][-1]
         if "epsilon" in op.expert_parameters and d < 1 and not (0 < d - e and d + e < 1):
-            raise BadInput(f"models[{i}].parameters.epsilon: density ± epsilon must lie in (0, 1), got {d} ± {e}")
-    if "t" in getattr(op, "required_shared", ()) and g.t is None:
-        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}")
+            raise BadInput(
+                f"models[{i}].parameters.epsilon: density ± epsilon must lie in (0, 1){_where(tensor)}, got {d} ± {e}"
+            )
+    base_weight = None
+    if op.name == "linear":
+        base = spec.base_entry
+        base_weight = evaluate(base.parameters.weight, tensor, t) if base is not None else None
+        base_weight = evaluate(g.weight, tensor, t) if base_weight is None else base_weight
+        if base is not None and base_weight is None:
+            raise BadInput(
+                f"models[{spec.models.index(base)}].parameters.weight: required by merge_method 'linear'"
+                f"{_where(tensor)} (the base, model {base.model})"
+            )
+    if "t" in getattr(op, "required_shared", ()) and shared("t", None) is None:
+        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}{_where(tensor)}; no filter matched")
     return MergeParams(
         weights=tuple(per_expert["weight"]),
         densities=tuple(per_expert["density"]),
-        lam=1.0 if g.lambda_ is None else float(g.lambda_),
-        normalize=op.default_normalize if g.normalize is None else g.normalize,
-        rescale=op.default_rescale if g.rescale is None else g.rescale,
+        lam=float(shared("lambda_", 1.0)),
+        normalize=shared("normalize", op.default_normalize),
+        rescale=shared("rescale", op.default_rescale),
         gammas=tuple(per_expert["gamma"]) if "gamma" in op.expert_parameters else (),
         epsilons=tuple(per_expert["epsilon"]) if "epsilon" in op.expert_parameters else (),
-        t=g.t,
-        filter_wise=bool(g.filter_wise),
-        nuslerp_flatten=True if g.nuslerp_flatten is None else g.nuslerp_flatten,
-        nuslerp_row_wise=bool(g.nuslerp_row_wise),
+        t=shared("t", None),
+        base_weight=None if base_weight is None else float(base_weight),
+        filter_wise=shared("filter_wise", False),
+        nuslerp_flatten=shared("nuslerp_flatten", True),
+        nuslerp_row_wise=shared("nuslerp_row_wise", False),
     )
+
+
+def resolve_tensor_params(spec: MergeSpec, tensor_names):
+    """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
+
+    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
+    from .operators import ParamTable
+
+    names = sorted(tensor_names)
+    n_layers = layer_count(names)
+    return ParamTable.build({name: resolve_params(spec, name, layer_position(name, n_layers)) for name in names})

@@ -303,6 +303,47 @@ def missing_expert_folder(fam, cfg):
     return f"{fam.experts[0]}: model not found"
 
 
+def mergekit_slices(fam, cfg):
+    _edit_config(cfg, slices=[{"sources": [{"model": str(fam.base), "layer_range": [0, 1]}]}])
+    return "slices: not supported by mergepipe"
+
+
+def tokenizer_union(fam, cfg):
+    _edit_config(cfg, tokenizer_source="union")
+    return "tokenizer_source: only `base` is supported"
+
+
+def lora_reference(fam, cfg):
+    import yaml
+
+    doc = yaml.safe_load(cfg.read_text())
+    doc["models"][0]["model"] = f"{fam.experts[0]}+adapters/my-lora"
+    cfg.write_text(yaml.safe_dump(doc))
+    return "models[0].model: " + repr(f"{fam.experts[0]}+adapters/my-lora") + " is a LoRA reference"
+
+
+def condition_with_unknown_key(fam, cfg):
+    # mergekit's own gradient-slerp example writes `pattern:`, which mergekit silently ignores
+    # (making that condition match every tensor).
+    import yaml
+
+    doc = yaml.safe_load(cfg.read_text())
+    doc["models"][0]["parameters"]["weight"] = [{"pattern": "mlp", "value": 0.5}, {"value": 0.1}]
+    cfg.write_text(yaml.safe_dump(doc))
+    return "models.0.parameters.weight: [0].pattern: unknown key"
+
+
+def weight_filter_misses_a_tensor(fam, cfg):
+    # No condition matches the embeddings and there is no global weight: named per tensor,
+    # before any statistics are taken.
+    import yaml
+
+    doc = yaml.safe_load(cfg.read_text())
+    doc["models"][0]["parameters"]["weight"] = [{"filter": "layers.", "value": 0.5}]
+    cfg.write_text(yaml.safe_dump(doc))
+    return "models[0].parameters.weight: required by merge_method 'task_arithmetic' for tensor 'model.embed_tokens.weight'"
+
+
 CASES = [
     truncated, shorter_than_8_bytes, header_longer_than_file, header_of_100_mb, header_not_json,
     header_not_an_object, offsets_out_of_bounds, offsets_overlapping, offsets_not_matching_shape,
@@ -311,7 +352,8 @@ CASES = [
     weight_map_absolute_path, weight_map_symlink_outside, shape_mismatch, tensor_only_in_expert,
     tensor_only_in_base, nan_in_delta, inf_in_delta, budget_negative, budget_over_100_percent,
     budget_not_a_size, unknown_operator, unknown_parameter, density_outside_range, unknown_yaml_key,
-    empty_expert_list, config_not_yaml, config_not_a_mapping, missing_expert_folder,
+    empty_expert_list, config_not_yaml, config_not_a_mapping, missing_expert_folder, mergekit_slices,
+    tokenizer_union, lora_reference, condition_with_unknown_key, weight_filter_misses_a_tensor,
 ]
 
 

@@ -29,13 +29,21 @@ def _stats(seed: int, n_experts: int = 3, n_blocks: int = 150) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
 
 
+def _coef(coefs: list[float], e: int, tensor: str) -> float:
+    """Coefficients vary per tensor, as filters and gradients make them; one is 0 (a pair the
+    planner never reads)."""
+    return 0.0 if (e, tensor) == (0, "t3") else coefs[e] * (1 + int(tensor[1:]) / 4)
+
+
 def _candidates(stats: pa.Table, coefs: list[float]) -> list[tuple]:
     out = []
     for r in stats.to_pylist():
         if r["nnz_delta"] == 0:
             continue
         e = int(r["expert_fp"][2:])
-        score = abs(coefs[e]) * math.sqrt(r["delta_sq"])
+        if _coef(coefs, e, r["tensor"]) == 0:
+            continue
+        score = abs(_coef(coefs, e, r["tensor"])) * math.sqrt(r["delta_sq"])
         out.append((score / r["bytes"], e, r["tensor"], r["block"], r["bytes"], score))
     out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
     return out
@@ -52,7 +60,8 @@ def _setup(tmp_path, stats, coefs):
         schema=BLOCKS_SCHEMA,
     )
     ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {})
-    n = planner.rank_candidates(con, "base", 4096, [(i, f"fp{i}", c) for i, c in enumerate(coefs)])
+    per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(len(coefs))] for j in range(7)}
+    n = planner.rank_candidates(con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True)
     return con_cm, con, n
 
 

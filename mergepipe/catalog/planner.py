@@ -12,21 +12,32 @@ MAX_FILL_ROUNDS = 256
 
 
 def rank_candidates(
-    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, experts: list[tuple[int, str, float]]
+    con: duckdb.DuckDBPyConnection,
+    base_fp: str,
+    block_size: int,
+    expert_fps: list[str],
+    coefficients: dict[str, list[float]],
+    *,
+    skip_zero: bool,
 ) -> int:
-    """Build the temp table plan_candidates; returns how many pairs are worth reading."""
+    """Build the temp table plan_candidates from each expert's coefficient per tensor (filters
+    and gradients make it vary); returns how many pairs are worth reading. With skip_zero, a
+    pair whose coefficient is 0 is not worth reading."""
+    tensors = sorted(coefficients)
+    k = len(expert_fps)
     table = pa.table(
         {
-            "expert": pa.array([e[0] for e in experts], pa.int32()),
-            "expert_fp": pa.array([e[1] for e in experts], pa.string()),
-            "coefficient": pa.array([e[2] for e in experts], pa.float64()),
+            "expert": pa.array([e for _ in tensors for e in range(k)], pa.int32()),
+            "expert_fp": pa.array([fp for _ in tensors for fp in expert_fps], pa.string()),
+            "tensor": pa.array([t for t in tensors for _ in range(k)], pa.string()),
+            "coefficient": pa.array([c for t in tensors for c in coefficients[t]], pa.float64()),
         }
     )
-    con.register("plan_experts_in", table)
+    con.register("plan_coefficients_in", table)
     try:
-        con.execute(sql_text("planner.sql"), {"base_fp": base_fp, "block_size": block_size})
+        con.execute(sql_text("planner.sql"), {"base_fp": base_fp, "block_size": block_size, "skip_zero": skip_zero})
     finally:
-        con.unregister("plan_experts_in")
+        con.unregister("plan_coefficients_in")
     return con.execute("SELECT count(*) FROM plan_candidates").fetchall()[0][0]
 
 

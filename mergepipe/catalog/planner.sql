@@ -4,17 +4,21 @@
 --   order is total and the plan deterministic.
 -- Blocks whose delta is NaN or Inf (delta_sq = +inf) rank first, so no budget omits one quietly.
 -- Blocks whose delta is zero everywhere (nnz_delta = 0) are not candidates: reading them
--- costs bytes and changes nothing.
--- Inputs: $base_fp, $block_size, and the registered table plan_experts_in(expert, expert_fp, coefficient).
+-- costs bytes and changes nothing. Nor, with $skip_zero (the operator multiplies each delta by
+-- its coefficient), are pairs whose coefficient is 0, unless their delta is NaN or Inf.
+-- Inputs: $base_fp, $block_size, and the registered table
+--   plan_coefficients_in(expert, expert_fp, tensor, coefficient): c_k per tensor (filters and
+--   gradients in the config make it vary).
 CREATE OR REPLACE TEMP TABLE plan_candidates AS
 WITH cand AS (
     SELECT e.expert, s.tensor, s.block, b.layer, b.row_start, b.row_end, s.bytes, s.delta_sq,
            -- A non-finite delta (stored as +inf) outranks everything, even with a zero coefficient.
            CASE WHEN isinf(s.delta_sq) THEN 'inf'::DOUBLE ELSE abs(e.coefficient) * sqrt(s.delta_sq) END AS score
     FROM block_stats s
-    JOIN plan_experts_in e ON e.expert_fp = s.expert_fp
-    JOIN blocks b USING (base_fp, block_size, tensor, block)
+    JOIN plan_coefficients_in e ON e.expert_fp = s.expert_fp AND e.tensor = s.tensor
+    JOIN blocks b ON b.base_fp = s.base_fp AND b.block_size = s.block_size AND b.tensor = s.tensor AND b.block = s.block
     WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0 AND s.bytes > 0
+      AND NOT ($skip_zero AND e.coefficient = 0 AND NOT isinf(s.delta_sq))
 )
 SELECT row_number() OVER w AS rank,
        expert, tensor, block, layer, row_start, row_end, bytes, delta_sq, score,

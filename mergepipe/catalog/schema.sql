@@ -95,7 +95,7 @@ CREATE TABLE IF NOT EXISTS plan_experts (
     plan_digest    VARCHAR NOT NULL,
     expert         INTEGER NOT NULL,
     expert_fp      VARCHAR NOT NULL,
-    coefficient    DOUBLE NOT NULL,
+    coefficient    DOUBLE NOT NULL,  -- the largest |c_k| over tensors (filters and gradients vary it)
     planned_bytes  BIGINT NOT NULL,
     PRIMARY KEY (plan_digest, expert)
 );

@@ -17,7 +17,7 @@ from ..family import Family
 from ..indexing import first_nonfinite
 from ..manifest import MANIFEST_FILE, versions
 from ..planning import Plan
-from ..spec import MergeSpec, load_spec
+from ..spec import MergeSpec, load_spec, resolve_tensor_params
 from ..storage import writer
 from ..storage.location import join, set_storage_options
 from ..storage.ledger import ByteLedger
@@ -60,6 +60,9 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
     ledger = ByteLedger()
     family, rows = read_family_headers(spec.base_model, spec.expert_uris)
     ledger.merge(rows)
+    # Parameters that depend on tensor names (filters, gradients) are checked now, before any
+    # statistics pass, so a config that cannot merge fails fast.
+    resolve_tensor_params(spec, family.base.tensors)
     bs = spec.block_size_bytes
     known, content = look_up_family(family, bs, catalog)
     # An expert needs its pass unless its statistics and content digest are both known; each

@@ -13,7 +13,7 @@ import torch
 from .gta import GTA_OPERATORS
 from .interpolation import ModelStock, NuSlerp, Slerp
 from .linear import Linear
-from .params import MergeParams, TensorContext
+from .params import MergeParams, ParamTable, TensorContext
 
 
 class Operator(Protocol):
@@ -22,6 +22,9 @@ class Operator(Protocol):
     default_rescale: bool
     uses_density: bool
     additive: bool
+    # A zero coefficient makes the expert's delta contribute exactly nothing (a signed zero at
+    # most), so the planner never reads such a pair: e.g. mergekit's `weight: 0` catch-alls.
+    zero_coefficient_unused: bool
     expert_parameters: frozenset[str]  # mergekit parameter names set per model
     shared_parameters: frozenset[str]  # and those set once (`parameters:`)
     min_experts: int
@@ -41,4 +44,4 @@ def get_operator(name: str) -> Operator:
     return OPERATORS[name]
 
 
-__all__ = ["OPERATORS", "Operator", "MergeParams", "TensorContext", "get_operator"]
+__all__ = ["OPERATORS", "Operator", "MergeParams", "ParamTable", "TensorContext", "get_operator"]

@@ -62,6 +62,8 @@ class GeneralizedTaskArithmetic:
     min_experts: int = 1
     max_experts: int | None = None
 
+    zero_coefficient_unused = True  # the delta is multiplied by w (or lambda) before anything else
+
     @property
     def uses_density(self) -> bool:
         return "density" in self.expert_parameters

@@ -89,6 +89,7 @@ class Slerp:
     min_experts: int = 1
     max_experts: int | None = 1
     additive: bool = False
+    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
@@ -118,6 +119,7 @@ class NuSlerp:
     min_experts: int = 2
     max_experts: int | None = 2
     additive: bool = False
+    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
@@ -145,6 +147,7 @@ class ModelStock:
     min_experts: int = 2
     max_experts: int | None = None
     additive: bool = False
+    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:

@@ -29,6 +29,7 @@ class Linear:
     max_experts: int | None = None
     uses_density: bool = False
     additive: bool = True
+    zero_coefficient_unused: bool = True
 
     def _all_weights(self, params: MergeParams) -> list[float]:
         return ([params.base_weight] if params.base_weight is not None else []) + list(params.weights)

@@ -49,6 +49,38 @@ class MergeParams:
         return cls(**data)
 
 
+@dataclass(frozen=True)
+class ParamTable:
+    """Parameters per tensor (filters and gradients make them differ): each distinct set once,
+    and for each tensor the index of its set. Tensors not listed take set 0, so a config
+    without filters or gradients is one set and an empty map."""
+
+    sets: tuple[MergeParams, ...]
+    by_tensor: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, per_tensor: dict[str, MergeParams]) -> "ParamTable":
+        counts: dict[MergeParams, int] = {}
+        for p in per_tensor.values():
+            counts[p] = counts.get(p, 0) + 1
+        # The most common set first (ties: first seen), so the map lists only the exceptions.
+        sets = sorted(counts, key=lambda p: -counts[p])
+        index = {p: i for i, p in enumerate(sets)}
+        return cls(tuple(sets), {n: index[p] for n, p in sorted(per_tensor.items()) if index[p]})
+
+    def for_tensor(self, name: str) -> MergeParams:
+        return self.sets[self.by_tensor.get(name, 0)]
+
+    def as_json(self) -> dict:
+        return {"sets": [p.as_json() for p in self.sets], "by_tensor": dict(self.by_tensor)}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "ParamTable":
+        if "sets" not in data:  # a plan saved before per-tensor parameters: one set
+            return cls((MergeParams.from_json(data),))
+        return cls(tuple(MergeParams.from_json(p) for p in data["sets"]), dict(data["by_tensor"]))
+
+
 def _seeded_keep(expert: int, probs: torch.Tensor, ctx: "TensorContext") -> torch.Tensor:
     from .sparsify import bernoulli_keep_mask
 

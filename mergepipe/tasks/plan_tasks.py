@@ -12,7 +12,7 @@ from ..family import Family
 from ..indexing import nonfinite_message
 from ..operators import get_operator
 from ..planning import Plan, build_plan, error_bound, full_expert_bytes
-from ..spec import MergeSpec, resolve_params
+from ..spec import MergeSpec, resolve_tensor_params
 
 
 def plans_dir(plan: Plan) -> str:
@@ -42,11 +42,16 @@ def check_nonfinite(spec: MergeSpec, family: Family, budget_bytes: int, first, n
 @task(name="plan-merge", cache_policy=NO_CACHE)
 def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog: str | None) -> tuple[Plan, list[dict], str]:
     """Returns the plan, its explain rows, and the folder it was saved in."""
-    coefficients = get_operator(spec.merge_method).coefficients(resolve_params(spec))
-    experts = [(i, fp, coefficients[i]) for i, fp in enumerate(family.expert_fps())]
+    op = get_operator(spec.merge_method)
+    table = resolve_tensor_params(spec, family.base.tensors)
+    per_set = [op.coefficients(p) for p in table.sets]
+    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
+    expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
     with db.connect(catalog) as con:
-        n = planner.rank_candidates(con, family.base_fp, spec.block_size_bytes, experts)
+        n = planner.rank_candidates(
+            con, family.base_fp, spec.block_size_bytes, expert_fps, coefficients, skip_zero=op.zero_coefficient_unused
+        )
         if spec.max_error is not None:
             budget_bytes = planner.select_within_error(con, spec.max_error, n)
         else:
@@ -67,8 +72,10 @@ def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog
                 "error_bound": plan.error_bound, "bound_guaranteed": plan.bound_guaranteed, "n_pairs": plan.n_pairs,
             },
             [
-                {"plan_digest": plan.plan_digest, "expert": i, "expert_fp": fp, "coefficient": c, "planned_bytes": plan.planned_bytes[i]}
-                for i, fp, c in experts
+                # The largest |c_k| over tensors: filters and gradients may vary it per tensor.
+                {"plan_digest": plan.plan_digest, "expert": i, "expert_fp": fp,
+                 "coefficient": max((abs(c[i]) for c in per_set), default=0.0), "planned_bytes": plan.planned_bytes[i]}
+                for i, fp in enumerate(expert_fps)
             ],
             access.select(["expert", "tensor", "block", "bytes", "score"]),
         )
