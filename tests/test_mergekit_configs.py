@@ -262,3 +262,25 @@ def test_mergekit_ties_example_verbatim(tmp_path, session_catalog):
     # Weight 0 (WizardMath outside the MLPs; Platypus at layer 0 and outside the layers) means
     # those blocks are never read, even at full budget.
     assert r["expert_bytes_planned"] < r["full_expert_bytes"]
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_docs_match_the_code(tmp_path):
+    """README's config example is valid, and docs/operators.md lists every operator with the
+    bound the code reports for it."""
+    import re
+
+    from mergepipe.operators import OPERATORS
+    from mergepipe.spec import check_parameters
+
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(r"```yaml\n(merge_method:.*?)```", readme, re.S).group(1)
+    (tmp_path / "c.yaml").write_text(example)
+    check_parameters(load_spec(tmp_path / "c.yaml"))
+
+    rows = re.findall(r"^\| `(\w+)` \|.*\| (guaranteed|heuristic|none claimed) \|$", (ROOT / "docs" / "operators.md").read_text(), re.M)
+    assert sorted(name for name, _ in rows) == sorted(OPERATORS)
+    for name, bound in rows:
+        assert (bound == "guaranteed") == OPERATORS[name].additive, name
