@@ -106,7 +106,3 @@ def evaluate(setting: Setting, tensor: str, t: float) -> float | bool | None:
         return _interpolate(setting, t)
     return setting
 
-
-def varies(setting: Setting) -> bool:
-    """Whether a setting can take different values on different tensors."""
-    return isinstance(setting, list)

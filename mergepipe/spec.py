@@ -102,6 +102,8 @@ class MergeSpec(_Strict):
     parameters: GlobalParameters = GlobalParameters()
     dtype: DTypeName | None = None
     out_dtype: DTypeName | None = None
+    # Only "base": the base's tokenizer files are copied with its other sidecar files.
+    tokenizer_source: Literal["base"] | None = None
     # mergepipe's own keys
     budget: str | int | None = None
     max_error: float | None = None
@@ -113,9 +115,6 @@ class MergeSpec(_Strict):
     allow_nonfinite: bool = False
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
-
-    # Only "base" (the base's tokenizer files are copied with its other sidecar files).
-    tokenizer_source: Literal["base"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -201,8 +200,9 @@ class MergeSpec(_Strict):
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
-        no storage options (they may hold credentials), no allow_nonfinite (it changes no byte)."""
-        data = self.model_dump(by_alias=True, exclude={"storage_options", "allow_nonfinite"})
+        no storage options (they may hold credentials), no allow_nonfinite or tokenizer_source
+        (they change no byte: the base's tokenizer files are copied either way)."""
+        data = self.model_dump(by_alias=True, exclude={"storage_options", "allow_nonfinite", "tokenizer_source"})
         data["base_model"] = "base"
         experts = iter(range(len(self.models)))
         data["models"] = [
