@@ -215,6 +215,62 @@ def merge(
 
 
 @app.command()
+def sweep(
+    config: str = ConfigArg,
+    out: str = typer.Option(..., "--out", help="Folder or s3:// prefix; each budget's output goes to OUT/budget-<budget>."),
+    budgets: str = typer.Option("5%,10%,25%,50%,100%", help="Comma-separated budgets (100% is added if missing)."),
+    report: Optional[Path] = typer.Option(None, help="Folder for sweep.json, sweep.md and sweep.png (default: OUT when local)."),
+    overwrite: bool = typer.Option(False, help="Replace existing output folders."),
+    catalog: Optional[Path] = CatalogOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Merge at several budgets and report bytes, seconds, bound and deviation from the full merge."""
+
+    def go() -> list[dict]:
+        from .flows.sweep import budget_label
+        from .sizes import parse_budget
+        from .storage.location import is_remote, join, set_storage_options
+        from .storage.writer import check_destination
+
+        wanted = [b.strip() for b in budgets.split(",") if b.strip()]
+        if not wanted:
+            raise BadInput("--budgets: give at least one budget, e.g. 10%,50%,100%")
+        for b in wanted:
+            parse_budget(b, key="--budgets")
+        if not any(parse_budget(b).is_full for b in wanted):
+            wanted.append("100%")
+        spec = _check_config(config)
+        set_storage_options(spec.storage_options)
+        for b in wanted:
+            check_destination(join(out, budget_label(b)), overwrite, [spec.base_model, *spec.expert_uris])
+        from .flows.sweep import budget_sweep
+        from .report import sweep_report
+        from .storage.writer import write_file
+
+        rows = budget_sweep(config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
+                            catalog=str(catalog) if catalog else None)
+        folder = report or (Path("mergepipe-sweep") if is_remote(out) else Path(out))
+        folder.mkdir(parents=True, exist_ok=True)
+        for name, data in sweep_report(rows, f"{spec.merge_method} budget sweep of {Path(str(config)).name}").items():
+            write_file(folder / name, data)
+        return {"rows": rows, "report": str(folder)}
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+        return
+    from .report import SWEEP_COLUMNS
+
+    t = Table(title="budget sweep")
+    for _, header, _ in SWEEP_COLUMNS:
+        t.add_column(header)
+    for r in result["rows"]:
+        t.add_row(*(fmt(r[k]) if r.get(k) is not None else "–" for k, _, fmt in SWEEP_COLUMNS))
+    out_console.print(t)
+    out_console.print(f"report: {result['report']}/sweep.{{json,md,png}}", highlight=False)
+
+
+@app.command()
 def replay(
     manifest: str = typer.Argument(..., help="A manifest file, or the output folder (or s3:// prefix) holding it."),
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),

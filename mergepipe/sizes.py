@@ -50,6 +50,11 @@ class Budget:
     kind: str  # "bytes" | "fraction" | "full"
     value: float  # bytes, or a fraction in [0, 1]
 
+    @property
+    def is_full(self) -> bool:
+        """Whether every expert byte may be read, whatever the family's size."""
+        return self.kind == "full" or (self.kind == "fraction" and self.value >= 1.0)
+
     def resolve(self, full_expert_bytes: int) -> int:
         if self.kind == "bytes":
             return int(self.value)

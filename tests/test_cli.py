@@ -132,3 +132,36 @@ def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
     assert part["expert_bytes_read"] == part["expert_bytes_planned"] <= part["budget_bytes"]
     assert full["expert_bytes_read"] == full["expert_bytes_planned"] < full["full_expert_bytes"]  # the LoRA's zero blocks
     assert 0 < out["measured_deviation"] <= out["error_bound"]
+
+
+def test_sweep_reports_bytes_bound_and_measured_deviation(bf16_family, tmp_path, session_catalog):
+    from .helpers import frobenius_diff
+    from .reference import load_model
+
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
+    out = tmp_path / "sweep"
+    r = runner.invoke(app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%,40%", "--json", "--catalog", session_catalog])
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    rows = result["rows"]
+    assert [row["budget"] for row in rows] == ["10%", "40%", "100%"]  # the reference is added
+    full, base = load_model(out / "budget-100pct"), load_model(bf16_family.base)
+    delta = frobenius_diff(full, base)
+    for row in rows:
+        assert row["expert_bytes_read"] <= row["budget_bytes"]
+        got = load_model(Path(row["out"]))
+        measured = frobenius_diff(got, full)
+        assert row["deviation"] == pytest.approx(measured, rel=1e-12, abs=1e-30)
+        assert row["relative_to_delta"] == pytest.approx(measured / delta, rel=1e-12, abs=1e-30)
+        assert row["deviation"] <= row["error_bound"] * (1 + 1e-5) + 1e-6  # additive: the bound holds
+    assert rows[0]["deviation"] > rows[1]["deviation"] > rows[2]["deviation"] == 0.0
+    # The report: the same rows as JSON, a Markdown table with one line per budget, a PNG.
+    assert json.loads((out / "sweep.json").read_text()) == rows
+    table = (out / "sweep.md").read_text().splitlines()
+    assert sum(line.startswith("| 10% |") or line.startswith("| 40% |") or line.startswith("| 100% |") for line in table) == 3
+    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    bad = runner.invoke(app, ["sweep", str(cfg), "--out", str(tmp_path / "x"), "--budgets", "10%,lots", "--catalog", session_catalog])
+    assert bad.exit_code == 2 and "--budgets" in bad.output
+    taken = runner.invoke(app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%", "--catalog", session_catalog])
+    assert taken.exit_code == 2 and "budget-10pct" in taken.output and "already exists" in taken.output

@@ -1,11 +1,15 @@
-"""Flow: merge one config at several budgets (one output per budget) and tabulate the results."""
+"""Flow: merge one config at several budgets (one output per budget), measure each output's
+deviation from the full-budget one, and tabulate the results."""
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from ..sizes import parse_budget
 from ..storage.location import join
+from ..tasks.report_tasks import measure_deviation
+from .common import load_config
 from .merge import merge
 
 SWEEP_KEY = "budget-sweep"
@@ -26,7 +30,11 @@ def budget_sweep(
     runner: str = "thread",
     dask_address: str | None = None,
 ) -> list[dict]:
-    """Each budget runs as a merge subflow into OUT/budget-<budget>; the family is indexed once."""
+    """Each budget runs as a merge subflow into OUT/budget-<budget>; the family is indexed once.
+    A 100% budget is added when missing: it is the reference the deviations are measured from."""
+    budgets = list(budgets)
+    if not any(parse_budget(b).is_full for b in budgets):
+        budgets.append("100%")
     rows = []
     for budget in budgets:
         r = merge(config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite, catalog=catalog,
@@ -37,11 +45,17 @@ def budget_sweep(
                 "budget_bytes": r["budget_bytes"],
                 "expert_bytes_read": r["expert_bytes_read"],
                 "full_expert_bytes": r["full_expert_bytes"],
+                "read_share": 100 * r["expert_bytes_read"] / r["full_expert_bytes"] if r["full_expert_bytes"] else 100.0,
                 "error_bound": r["error_bound"],
+                "bound_guaranteed": r["bound_guaranteed"],
                 "wall_seconds": round(r["wall_seconds"], 3),
                 "digest": r["digest"],
                 "out": r["out"],
             }
         )
+    full = next(row for row, b in zip(rows, budgets) if parse_budget(b).is_full)
+    base = load_config(config).base_model
+    for row in rows:
+        row.update(measure_deviation(row["out"], full["out"], base))
     create_table_artifact(key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")
     return rows
