@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -50,16 +52,27 @@ BLOCKS_SCHEMA = pa.schema(
 )
 
 
-def delta_stats(base: torch.Tensor, expert: torch.Tensor) -> tuple[float, float, int]:
+_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def delta_stats(base: torch.Tensor, expert: torch.Tensor, base64: np.ndarray | None = None) -> tuple[float, float, int]:
     """(sum of squares, max abs, count of differing elements) of expert - base, in fp64.
 
+    `base64` is the base block in fp64 (flat), converted once and shared by every expert.
     numpy's pairwise sum is single-threaded, so the statistics (and the plans ranked on them)
-    do not depend on the machine's thread count."""
+    do not depend on the machine's thread count. An element differs when its bits differ
+    (so +0 against -0 counts, as reading it changes the output's bits)."""
     if expert.numel() == 0:
         return 0.0, 0.0, 0
-    d = expert.double().numpy() - base.double().numpy()
-    differs = (d != 0) | (torch.signbit(expert) != torch.signbit(base)).numpy()
-    return float(np.square(d).sum()), float(np.abs(d).max()), int(differs.sum())
+    if base64 is None:
+        base64 = base.double().numpy().reshape(-1)
+    d = expert.double().numpy().reshape(-1) - base64
+    if expert.dtype == base.dtype:
+        width = _INT_OF_WIDTH[expert.element_size()]
+        differs = int(np.count_nonzero(expert.view(width).numpy() != base.view(width).numpy()))
+    else:  # stored in another dtype: compare values (and signs of zeros)
+        differs = int(((d != 0) | (torch.signbit(expert) != torch.signbit(base)).numpy().reshape(-1)).sum())
+    return float(np.square(d).sum()), float(np.abs(d).max()), differs
 
 
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
@@ -111,6 +124,28 @@ def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: byte
     return decode(raw, info.dtype, shape)
 
 
+def _expert_rows(
+    model: ModelFiles, fp: str, name: str, run: list[int], rows: list[tuple[int, int]], chunk: bytearray,
+    ranges: list[tuple[int, int]], bases: list[tuple[torch.Tensor, np.ndarray]], hasher,
+) -> list[tuple]:
+    """One expert's statistics rows for one run of blocks of a float tensor (hashing as it
+    goes). Runs in a worker thread: hashlib and numpy release the GIL on large buffers."""
+    out = []
+    for j, (b, block) in enumerate(zip(run, rows)):
+        # One copy per block: a bytearray slice, writable, so decode views it in place.
+        raw = chunk[ranges[j][0] - ranges[0][0] : ranges[j][1] - ranges[0][0]]
+        hasher.update(raw)
+        base_t, base64 = bases[j]
+        sq, mx, nnz = delta_stats(base_t, _decode_block(model, name, block, raw), base64)
+        if not (math.isfinite(sq) and math.isfinite(mx)):
+            # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the planner
+            # can never leave it out; the config decides (allow_nonfinite) whether such a
+            # family may be merged at all.
+            sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
+        out.append((fp, name, b, len(raw), sq, mx, nnz, hashlib.blake2b(raw, digest_size=16).hexdigest()))
+    return out
+
+
 def compute_stats(
     family: Family,
     expert_positions: list[int],
@@ -119,7 +154,10 @@ def compute_stats(
     *,
     progress: Callable[[int], None] | None = None,
 ) -> StatsResult:
-    """Stream the base once and each listed expert once; return their block statistics."""
+    """Stream the base once and each listed expert once; return their block statistics.
+
+    Each run of blocks is read for all models at once; the experts' statistics and hashes are
+    then computed in parallel threads, and their rows gathered in a fixed order."""
     cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
     layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
     experts = [(i, family.experts[i], family.expert_fps()[i]) for i in expert_positions]
@@ -127,58 +165,59 @@ def compute_stats(
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
     # Read in file order so a cold disk sees near-sequential access.
     order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].info.start))
-    for name in order:
-        info = family.base.tensors[name].info
-        dt = DTYPES[info.dtype]
-        is_float = dt.is_float
-        blocks = block_rows(info.shape, dt.itemsize, block_size)
-        for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
-            rows = [blocks[b] for b in run]
-            per_model = [_block_ranges(m, name, rows) for _, _, m in models]
-            requests = [
-                ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
-                for (label, role, m), r in zip(models, per_model)
-            ]
-            chunks = [bufs[0] for bufs in reader.read_batch(requests)]
-            for j, (b, block) in enumerate(zip(run, rows)):
-                # One copy per block: a bytearray slice, writable, so decode views it in place.
-                raws = [c[r[j][0] - r[0][0] : r[j][1] - r[0][0]] for c, r in zip(chunks, per_model)]
-                for h, raw in zip(hashers, raws):
-                    h[name].update(raw)
-                base_raw = raws[0]
-                if is_float:
-                    base_t = _decode_block(family.base, name, block, base_raw)
-                    for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(base_raw))):
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
+        for name in order:
+            info = family.base.tensors[name].info
+            dt = DTYPES[info.dtype]
+            blocks = block_rows(info.shape, dt.itemsize, block_size)
+            for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
+                rows = [blocks[b] for b in run]
+                per_model = [_block_ranges(m, name, rows) for _, _, m in models]
+                requests = [
+                    ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
+                    for (label, role, m), r in zip(models, per_model)
+                ]
+                chunks = [bufs[0] for bufs in reader.read_batch(requests)]
+                base_raws = [chunks[0][r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
+                for raw in base_raws:
+                    hashers[0][name].update(raw)
+                if not dt.is_float:
+                    _check_buffers(experts, name, info.dtype, chunks[0], chunks[1:], hashers[1:])
+                    continue
+                bases = []
+                for b, block, raw in zip(run, rows, base_raws):
+                    base_t = _decode_block(family.base, name, block, raw)
+                    bases.append((base_t, base_t.double().numpy().reshape(-1)))
+                    for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw))):
                         layout[col].append(value)
-                for (i, model, fp), raw in zip(experts, raws[1:]):
-                    if progress:
-                        progress(len(raw))
-                    if not is_float:
-                        if raw != base_raw:
-                            raise BadInput(
-                                f"expert {i} ({model.uri}): tensor {name!r} is a {info.dtype} buffer that differs "
-                                "from the base; non-float tensors must be identical across the family"
-                            )
-                        continue
-                    sq, mx, nnz = delta_stats(base_t, _decode_block(model, name, block, raw))
-                    if not (math.isfinite(sq) and math.isfinite(mx)):
-                        # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the
-                        # planner can never leave it out; the config decides (allow_nonfinite)
-                        # whether such a family may be merged at all.
-                        sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
-                    cols["expert_fp"].append(fp)
-                    cols["tensor"].append(name)
-                    cols["block"].append(b)
-                    cols["bytes"].append(len(raw))
-                    cols["delta_sq"].append(sq)
-                    cols["max_abs_delta"].append(mx)
-                    cols["nnz_delta"].append(nnz)
-                    cols["content_hash"].append(hashlib.blake2b(raw, digest_size=16).hexdigest())
+                futures = [
+                    pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])
+                    for (_, model, fp), chunk, ranges, h in zip(experts, chunks[1:], per_model[1:], hashers[1:])
+                ]
+                per_expert = [f.result() for f in futures]
+                for j in range(len(run)):
+                    for expert_rows in per_expert:
+                        for col, value in zip(STATS_SCHEMA.names, expert_rows[j]):
+                            cols[col].append(value)
+                if progress:
+                    progress(sum(len(c) for c in chunks[1:]))
     result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
     for (i, model, fp), h in zip(experts, hashers[1:]):
         result.content[fp] = content_digest({n: x.hexdigest() for n, x in h.items()}, model)
     return result
+
+
+def _check_buffers(experts, name: str, dtype: str, base_chunk: bytearray, chunks: list[bytearray], hashers) -> None:
+    """Non-float tensors (int buffers) must be identical across the family; they are hashed
+    but have no statistics."""
+    for (i, model, _), chunk, h in zip(experts, chunks, hashers):
+        h[name].update(chunk)
+        if chunk != base_chunk:
+            raise BadInput(
+                f"expert {i} ({model.uri}): tensor {name!r} is a {dtype} buffer that differs "
+                "from the base; non-float tensors must be identical across the family"
+            )
 
 
 def first_nonfinite(result: StatsResult, family: Family) -> str | None:

@@ -40,9 +40,10 @@ def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, Calla
     return "\n".join(lines) + "\n"
 
 
-def plot_sweep(rows: Sequence[dict], title: str) -> bytes:
+def plot_sweep(rows: Sequence[dict], title: str, references: dict[str, float] | None = None) -> bytes:
     """Three panels against the share of expert bytes the budget allows: expert bytes read,
-    wall seconds, and the deviation from the full-budget merge with its predicted bound."""
+    wall seconds (with `references`, e.g. another tool's seconds, as horizontal lines), and the
+    deviation from the full-budget merge with its predicted bound."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -52,7 +53,13 @@ def plot_sweep(rows: Sequence[dict], title: str) -> bytes:
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.8))
     a.plot(x, [r["expert_bytes_read"] / MIB for r in rows], "o-")
     a.set(xlabel="budget (% of expert bytes)", ylabel="expert MiB read", title="bytes")
-    b.plot(x, [r["wall_seconds"] for r in rows], "o-")
+    b.plot(x, [r["wall_seconds"] for r in rows], "o-", label="mergepipe")
+    if "hardware_seconds" in rows[0]:
+        b.plot(x, [r["hardware_seconds"] for r in rows], "^:", label="hardware limit")
+    for i, (name, seconds) in enumerate(sorted((references or {}).items())):
+        b.axhline(seconds, linestyle="--", color=f"C{i + 2}", label=name)
+    if references or "hardware_seconds" in rows[0]:
+        b.legend()
     b.set(xlabel="budget (% of expert bytes)", ylabel="seconds", title="wall time")
     partial = [(xi, r) for xi, r in zip(x, rows) if r.get("relative_to_full")]
     if partial:

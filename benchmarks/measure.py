@@ -1,0 +1,95 @@
+"""Measuring one command: wall time and peak RSS of a child process, a cold page cache, and the
+hardware limit (plain sequential I/O of the same bytes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+READ_CHUNK = 8 << 20
+
+
+@dataclass
+class Measured:
+    seconds: float
+    peak_rss: int  # bytes
+    stdout: str
+    returncode: int
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> Measured:
+    """Run a command and report its own peak RSS: the command runs under a tiny Python
+    wrapper that waits for it with os.wait4, whose rusage is that one process's."""
+    wrapper = (
+        "import os, sys, json, subprocess, time\n"
+        "t0 = time.perf_counter()\n"
+        "p = subprocess.Popen(sys.argv[1:])\n"
+        "_, status, ru = os.wait4(p.pid, 0)\n"
+        "sys.stderr.write('\\n@@measure ' + json.dumps({'seconds': time.perf_counter() - t0, 'rss': ru.ru_maxrss * 1024,"
+        " 'status': os.waitstatus_to_exitcode(status)}) + '\\n')\n"
+        "sys.exit(os.waitstatus_to_exitcode(status))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", wrapper, *map(str, cmd)], env=env, cwd=cwd, capture_output=True, text=True)
+    line = [x for x in proc.stderr.splitlines() if x.startswith("@@measure ")]
+    if proc.returncode != 0 or not line:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    m = json.loads(line[-1].removeprefix("@@measure "))
+    return Measured(m["seconds"], m["rss"], proc.stdout, proc.returncode)
+
+
+def evict(paths: list[Path]) -> None:
+    """Drop these files' pages from the page cache (clean pages only: flush first)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def model_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def hardware_limit(read_plan: list[tuple[Path, int]], write_bytes: int, scratch: Path) -> dict:
+    """The time plain sequential I/O takes for the same work: read `n` bytes from the start of
+    each file (cold), then write `write_bytes` to a new file and fsync it."""
+    evict([p for p, _ in read_plan])
+    t0 = time.perf_counter()
+    total = 0
+    for path, n in read_plan:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            left = n
+            while left > 0:
+                got = os.read(fd, min(READ_CHUNK, left))
+                if not got:
+                    break
+                left -= len(got)
+                total += len(got)
+        finally:
+            os.close(fd)
+    t_read = time.perf_counter() - t0
+    out = scratch / "hardware-limit.bin"
+    chunk = b"\0" * READ_CHUNK
+    t1 = time.perf_counter()
+    with open(out, "wb") as f:
+        left = write_bytes
+        while left > 0:
+            left -= f.write(chunk[: min(READ_CHUNK, left)])
+        f.flush()
+        os.fsync(f.fileno())
+    t_write = time.perf_counter() - t1
+    out.unlink()
+    return {"read_bytes": total, "read_seconds": t_read, "write_bytes": write_bytes, "write_seconds": t_write,
+            "seconds": t_read + t_write}
