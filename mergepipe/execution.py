@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -17,7 +19,7 @@ from .operators.params import as_rows
 from .output_layout import OutputLayout, plan_output
 from .planning import Plan, output_dtype
 from .storage.ledger import ByteLedger
-from .storage.location import join
+from .storage.location import is_remote, join
 from .storage.reader import RangeReader, ReadRequest, stat
 from .storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
 from .storage.writer import write_at
@@ -76,34 +78,43 @@ class GroupMerger:
         return len(names)
 
     def _merge_tensor(self, name: str, wanted: dict) -> None:
-        """Fetch the base tensor and every expert's planned rows in one batch (concurrent on
-        object stores), then merge."""
+        """Read the base tensor, then each expert's planned rows, and merge.
+
+        Expert rows are read when the operator reaches that expert, so a group holds one
+        expert's bytes at a time. They are read up front, in one concurrent batch, when the
+        inputs are in an object store (where latency, not memory, is the cost) or when the
+        operator walks the experts twice (TIES-style elections), so no byte is read twice."""
         file, dtype, shape, start = self.plan.inputs[0].tensors[name]
         shape = tuple(shape)
         dt = DTYPES[dtype]
         out = self.layout.tensors[name]
         out_path = self.staging / out.shard
-        requests = [ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)]
+        base_request = ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)
         runs: dict[int, list[tuple[int, int]]] = {}
         if dt.is_float:
             for k in range(len(self.plan.inputs) - 1):
                 blocks = wanted.get((k, name))
                 if blocks:  # nothing planned: a zero delta, nothing read
                     runs[k] = coalesce(sorted((r0, r1) for _, r0, r1 in blocks))
-                    requests.append(self._expert_request(k, name, runs[k]))
-        (raw,), *expert_raws = self.reader.read_batch(requests)
+        requests = {k: self._expert_request(k, name, r) for k, r in runs.items()}
+        up_front = self.op.expert_passes > 1 or any(is_remote(r.path) for r in requests.values())
+        order = list(requests) if up_front else []
+        (raw,), *expert_raws = self.reader.read_batch([base_request] + [requests[k] for k in order])
         if not dt.is_float:
             self.written.update(raw)
             write_at(out_path, out.start, bytes(raw), self.ledger)
             return
         base = _compute(decode(raw, dtype, shape), self.compute_dtype)
-        fetched = dict(zip(runs, expert_raws))
-        experts = [
-            self._expert_tensor(k, name, base, runs[k], fetched[k]) if k in runs else base
-            for k in range(len(self.plan.inputs) - 1)
-        ]
+        fetched = dict(zip(order, expert_raws))
+
+        def expert(k: int) -> torch.Tensor:
+            if k not in runs:
+                return base
+            raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
+            return self._expert_tensor(k, name, base, runs[k], raws)
+
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
-        merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
+        merged = self.op.merge(base, LazyExperts(expert, len(self.plan.inputs) - 1), self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)
@@ -129,6 +140,24 @@ class GroupMerger:
         for (r0, r1), raw in zip(row_runs, raws):
             rows[r0:r1] = _compute(decode(raw, dtype, (r1 - r0, width)), self.compute_dtype)
         return x
+
+
+class LazyExperts(Sequence):
+    """The experts' tensors as the operator sees them, each built (from the base and its planned
+    rows) when the operator asks for it. Operators that walk the experts one by one then hold
+    one expert-sized tensor at a time, not K of them. An operator with expert_passes == 1 must
+    ask for each expert at most once (its rows are read when asked for)."""
+
+    def __init__(self, build: Callable[[int], torch.Tensor], n: int) -> None:
+        self._build, self._n = build, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        if not 0 <= k < self._n:
+            raise IndexError(k)
+        return self._build(k)
 
 
 def _nbytes(itemsize: int, shape: tuple[int, ...]) -> int:

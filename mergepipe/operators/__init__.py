@@ -25,6 +25,9 @@ class Operator(Protocol):
     # A zero coefficient makes the expert's delta contribute exactly nothing (a signed zero at
     # most), so the planner never reads such a pair: e.g. mergekit's `weight: 0` catch-alls.
     zero_coefficient_unused: bool
+    # How many times merge() walks the experts: with 1, each expert's bytes are read only when
+    # merge() reaches it; with more, they are read once, up front, and kept.
+    expert_passes: int
     expert_parameters: frozenset[str]  # mergekit parameter names set per model
     shared_parameters: frozenset[str]  # and those set once (`parameters:`)
     min_experts: int

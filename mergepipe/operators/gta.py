@@ -65,6 +65,10 @@ class GeneralizedTaskArithmetic:
     zero_coefficient_unused = True  # the delta is multiplied by w (or lambda) before anything else
 
     @property
+    def expert_passes(self) -> int:
+        return 2 if self.consensus else 1  # a sign election, then the accumulation
+
+    @property
     def uses_density(self) -> bool:
         return "density" in self.expert_parameters
 

@@ -90,6 +90,7 @@ class Slerp:
     max_experts: int | None = 1
     additive: bool = False
     zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
+    expert_passes: int = 1
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
@@ -120,6 +121,7 @@ class NuSlerp:
     max_experts: int | None = 2
     additive: bool = False
     zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
+    expert_passes: int = 1
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
@@ -148,6 +150,7 @@ class ModelStock:
     max_experts: int | None = None
     additive: bool = False
     zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
+    expert_passes: int = 1
     uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:

@@ -8,6 +8,7 @@ in input order in fp32 with multiply-add (as mergekit 0.1.5); a weight sum of ze
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -30,6 +31,7 @@ class Linear:
     uses_density: bool = False
     additive: bool = True
     zero_coefficient_unused: bool = True
+    expert_passes: int = 1
 
     def _all_weights(self, params: MergeParams) -> list[float]:
         return ([params.base_weight] if params.base_weight is not None else []) + list(params.weights)
@@ -39,7 +41,7 @@ class Linear:
         return [abs(w / den) for w in params.weights]
 
     def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
-        inputs = ([base] if params.base_weight is not None else []) + list(experts)
+        inputs = itertools.chain([base] if params.base_weight is not None else [], experts)  # one at a time
         acc = torch.zeros_like(base)
         for w, x in zip(self._all_weights(params), inputs):
             acc.addcmul_(x, torch.tensor(w, dtype=acc.dtype))
