@@ -15,7 +15,7 @@ import torch
 
 from .layout import block_rows, byte_range, coalesce
 from .operators import TensorContext, get_operator
-from .operators.params import as_rows
+from .operators.params import ExpertRows, as_rows
 from .output_layout import OutputLayout, plan_output
 from .planning import Plan, output_dtype
 from .storage.ledger import ByteLedger
@@ -107,14 +107,14 @@ class GroupMerger:
         base = _compute(decode(raw, dtype, shape), self.compute_dtype)
         fetched = dict(zip(order, expert_raws))
 
-        def expert(k: int) -> torch.Tensor:
+        def planned_rows(k: int) -> ExpertRows | None:
             if k not in runs:
-                return base
+                return None
             raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
-            return self._expert_tensor(k, name, base, runs[k], raws)
+            return self._expert_rows(k, name, as_rows(base).shape[1], runs[k], raws)
 
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
-        merged = self.op.merge(base, LazyExperts(expert, len(self.plan.inputs) - 1), self.params.for_tensor(name), ctx)
+        merged = self.op.merge(base, LazyExperts(base, planned_rows, len(self.plan.inputs) - 1), self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)
@@ -128,36 +128,41 @@ class GroupMerger:
         ranges = [byte_range(start, tuple(shape), itemsize, r0, r1) for r0, r1 in row_runs]
         return ReadRequest(self._path(k + 1, file), ranges, "expert", inp.role, file)
 
-    def _expert_tensor(
-        self, k: int, name: str, base: torch.Tensor, row_runs: list[tuple[int, int]], raws: list[bytearray]
-    ) -> torch.Tensor:
-        """The expert's tensor as the merge sees it: planned rows read, every other row the
-        base's (a zero delta)."""
+    def _expert_rows(self, k: int, name: str, width: int, row_runs: list[tuple[int, int]], raws: list[bytearray]) -> ExpertRows:
+        """The expert's planned rows, decoded to fp32 (as rows of the tensor's 2-D view)."""
         dtype = self.plan.inputs[k + 1].tensors[name][1]
-        x = base.clone()
-        rows = as_rows(x)
-        width = rows.shape[1]
-        for (r0, r1), raw in zip(row_runs, raws):
-            rows[r0:r1] = _compute(decode(raw, dtype, (r1 - r0, width)), self.compute_dtype)
-        return x
+        return [((r0, r1), _compute(decode(raw, dtype, (r1 - r0, width)), self.compute_dtype)) for (r0, r1), raw in zip(row_runs, raws)]
 
 
 class LazyExperts(Sequence):
     """The experts' tensors as the operator sees them, each built (from the base and its planned
     rows) when the operator asks for it. Operators that walk the experts one by one then hold
     one expert-sized tensor at a time, not K of them. An operator with expert_passes == 1 must
-    ask for each expert at most once (its rows are read when asked for)."""
+    ask for each expert at most once (its rows are read when asked for), by index or by rows().
 
-    def __init__(self, build: Callable[[int], torch.Tensor], n: int) -> None:
-        self._build, self._n = build, n
+    rows(k) gives the planned rows alone (None when nothing is planned): an operator that is a
+    sum of weighted deltas need not touch the rest of the tensor, where the delta is zero."""
+
+    def __init__(self, base: torch.Tensor, planned_rows: Callable[[int], ExpertRows | None], n: int) -> None:
+        self._base, self._rows, self._n = base, planned_rows, n
 
     def __len__(self) -> int:
         return self._n
 
+    def rows(self, k: int) -> ExpertRows | None:
+        return self._rows(k)
+
     def __getitem__(self, k: int) -> torch.Tensor:
         if not 0 <= k < self._n:
             raise IndexError(k)
-        return self._build(k)
+        patch = self._rows(k)
+        if patch is None:
+            return self._base
+        x = self._base.clone()
+        view = as_rows(x)
+        for (r0, r1), values in patch:
+            view[r0:r1] = values
+        return x
 
 
 def _nbytes(itemsize: int, shape: tuple[int, ...]) -> int:

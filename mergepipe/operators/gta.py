@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .params import MergeParams, TensorContext
+from .params import MergeParams, TensorContext, as_rows
 from .sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
 Sparsifier = Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]
@@ -104,8 +104,16 @@ class GeneralizedTaskArithmetic:
             mixed = num / den if params.normalize else num
         else:
             mixed = torch.zeros_like(base)
-            for i, x in enumerate(experts):
-                mixed += self._delta(base, x, params, i, ctx)
+            if self.sparsify is no_sparsify and hasattr(experts, "rows"):
+                # A plain weighted sum: only the rows an expert was read in carry a delta, so only
+                # they are computed (the same element operations, in the same order, as below).
+                mixed_rows, base_rows = as_rows(mixed), as_rows(base)
+                for i in range(len(experts)):
+                    for (r0, r1), values in experts.rows(i) or ():
+                        mixed_rows[r0:r1] += (values - base_rows[r0:r1]) * params.weights[i]
+            else:
+                for i, x in enumerate(experts):
+                    mixed += self._delta(base, x, params, i, ctx)
             if params.normalize:
                 mixed = mixed / scalar_denominator(params.weights)
         return base + mixed * params.lam
