@@ -22,6 +22,11 @@ here. That is how a scheduled deployment runs, and it keeps server start-up out 
 figures; start-up is measured apart, under "fixed costs".
 
     .venv/bin/python benchmarks/run.py llm --data /work/bench-data/llm --results benchmarks/results/llm
+    .venv/bin/python benchmarks/run.py minilm --data /work/bench-data/minilm --results benchmarks/results/minilm
+
+The minilm family (benchmarks/minilm/family.py, real masked-LM fine-tunes) adds the held-out
+loss per domain of every output, and its change against the full-budget merge. `--render`
+rewrites results.md and the plots from an existing results.json.
 
 Results: results.json (every run), results.md (the tables), and <K>-<operator>.png.
 """
@@ -59,23 +64,41 @@ OPERATOR_PARAMETERS = {
 }
 
 
-def write_config(data: Path, k: int, op: str) -> Path:
-    per_model, shared = OPERATOR_PARAMETERS[op](k)
-    doc = {
-        "merge_method": op,
-        "base_model": "../base",
-        "models": [{"model": f"../expert-{i}", "parameters": per_model} for i in range(k)],
-    }
-    if shared:
-        doc["parameters"] = shared
-    path = data / "configs" / f"k{k}-{op}.yaml"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return path
+class Family:
+    """One family size: a folder with base/ and one folder per expert."""
+
+    def __init__(self, label: str, folder: Path, experts: list[str], variant: str | None = None) -> None:
+        self.label, self.folder, self.experts, self.variant = label, folder, experts, variant
+
+    @property
+    def k(self) -> int:
+        return len(self.experts)
+
+    def config(self, op: str) -> Path:
+        per_model, shared = OPERATOR_PARAMETERS[op](self.k)
+        doc = {
+            "merge_method": op,
+            "base_model": "../base",
+            "models": [{"model": f"../{e}", "parameters": per_model} for e in self.experts],
+        }
+        if shared:
+            doc["parameters"] = shared
+        path = self.folder / "configs" / f"{self.label}-{op}.yaml"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(yaml.safe_dump(doc, sort_keys=False))
+        return path
+
+    def inputs(self) -> list[Path]:
+        return [p for folder in ["base", *self.experts] for p in measure.model_files(self.folder / folder)]
 
 
-def inputs_of(data: Path, k: int) -> list[Path]:
-    return [p for folder in ["base", *(f"expert-{i}" for i in range(k))] for p in measure.model_files(data / folder)]
+def families(args: argparse.Namespace) -> list[Family]:
+    if args.family == "llm":
+        return [Family(f"k{k}", args.data, [f"expert-{i}" for i in range(k)]) for k in map(int, args.k.split(","))]
+    return [Family(v, args.data / v, list(DOMAINS), variant=v) for v in args.variants.split(",")]
+
+
+DOMAINS = ("code", "docs", "legal", "arith")
 
 
 def median(xs: list[float]) -> float:
@@ -106,27 +129,27 @@ class Bench:
         return measure.run([*MERGEPIPE, *args, "--json"], env=self.env)
 
     # -- one family size -----------------------------------------------------------------------
-    def family(self, k: int) -> dict:
-        files = inputs_of(self.data, k)
-        out: dict = {"k": k, "input_bytes": sum(p.stat().st_size for p in files), "operators": {}}
-        cfg = write_config(self.data, k, "task_arithmetic")
+    def family(self, fam: Family) -> dict:
+        files = fam.inputs()
+        out: dict = {"label": fam.label, "k": fam.k, "input_bytes": sum(p.stat().st_size for p in files), "operators": {}}
+        cfg = fam.config("task_arithmetic")
         measure.evict(files)
-        idx = self.mergepipe("index", str(cfg), "--catalog", str(self.scratch / f"index-only-{k}.duckdb"))
+        idx = self.mergepipe("index", str(cfg), "--catalog", str(self.scratch / f"index-only-{fam.label}.duckdb"))
         out["index"] = {"seconds": idx.seconds, "peak_rss": idx.peak_rss, "result": idx.json()}
         measure.evict(files)
         first = self.mergepipe("merge", str(cfg), "--out", str(self.scratch / "first"), "--catalog",
-                               str(self.scratch / f"first-{k}.duckdb"))
+                               str(self.scratch / f"first-{fam.label}.duckdb"))
         out["first_merge"] = {"seconds": first.seconds, "peak_rss": first.peak_rss}
         shutil.rmtree(self.scratch / "first")
-        catalog = self.scratch / f"catalog-{k}.duckdb"
+        catalog = self.scratch / f"catalog-{fam.label}.duckdb"
         self.mergepipe("index", str(cfg), "--catalog", str(catalog))
         for op in self.args.operators:
-            out["operators"][op] = self.operator(k, op, files, catalog)
-            print(json.dumps({"k": k, "operator": op, "done": True}), flush=True)
+            out["operators"][op] = self.operator(fam, op, files, catalog)
+            print(json.dumps({"family": fam.label, "operator": op, "done": True}), flush=True)
         return out
 
-    def operator(self, k: int, op: str, files: list[Path], catalog: Path) -> dict:
-        cfg = write_config(self.data, k, op)
+    def operator(self, fam: Family, op: str, files: list[Path], catalog: Path) -> dict:
+        cfg = fam.config(op)
         rows = []
         outs = {}
         for b in self.args.budgets:
@@ -142,8 +165,8 @@ class Bench:
             outs[b] = out
             manifest = json.loads((out / "mergepipe-manifest.json").read_text())
             plan = manifest["content"]["plan"]["planned_expert_bytes"]
-            read_plan = [(p, p.stat().st_size) for p in measure.model_files(self.data / "base")]
-            read_plan += [(measure.model_files(self.data / f"expert-{i}")[0], n) for i, n in enumerate(plan)]
+            read_plan = [(p, p.stat().st_size) for p in measure.model_files(fam.folder / "base")]
+            read_plan += [(measure.model_files(fam.folder / e)[0], n) for e, n in zip(fam.experts, plan)]
             hw = measure.hardware_limit(read_plan, result["bytes"]["output"], self.scratch)
             rows.append({
                 "budget": f"{b}%", "budget_bytes": result["budget_bytes"], "full_expert_bytes": result["full_expert_bytes"],
@@ -156,7 +179,15 @@ class Bench:
             })
         full = outs[100]
         for row, b in zip(rows, self.args.budgets):
-            row.update(deviation(str(outs[b]), str(full), str(self.data / "base")))
+            row.update(deviation(str(outs[b]), str(full), str(fam.folder / "base")))
+            if fam.variant:  # real fine-tunes: the downstream score
+                from benchmarks.minilm.family import heldout_losses
+
+                row["heldout_loss"] = heldout_losses(self.data, outs[b], fam.variant)
+        if fam.variant:
+            full_loss = next(r for r in rows if r["budget"] == "100%")["heldout_loss"]
+            for row in rows:
+                row["loss_increase"] = {d: row["heldout_loss"][d] / full_loss[d] - 1 for d in full_loss}
         for out in outs.values():
             shutil.rmtree(out, ignore_errors=True)
         return {"rows": rows, "stream_merge": self.stream(cfg, files), "mergekit": self.mergekit(cfg, files)}
@@ -261,8 +292,8 @@ def render(results: dict, folder: Path) -> str:
               f"{fc['tiny_merge_seconds']:.2f} s, of which the flow itself {fc['tiny_merge_flow_seconds']:.2f} s",
               f"- the same with no server (Prefect starts an ephemeral one): {fc['tiny_merge_ephemeral_server_seconds']:.2f} s", ""]
     for fam in results["families"]:
-        k = fam["k"]
-        lines += [f"## K = {k} experts ({fam['input_bytes'] / 2**30:.2f} GiB of inputs)", "",
+        k, label = fam["k"], fam.get("label", f"k{fam['k']}")
+        lines += [f"## {label}: K = {k} experts ({fam['input_bytes'] / 2**30:.2f} GiB of inputs)", "",
                   f"- index pass (cold, its own catalog): {fam['index']['seconds']:.1f} s, peak RSS "
                   f"{fam['index']['peak_rss'] / 2**20:,.0f} MiB",
                   f"- first merge of the family (index + task_arithmetic at 100%, cold): {fam['first_merge']['seconds']:.1f} s", ""]
@@ -271,16 +302,24 @@ def render(results: dict, folder: Path) -> str:
             for r in rows:
                 r["hardware_seconds"] = r["hardware_limit"]["seconds"]
             lines += [f"### {op}", "", markdown_table(rows, COLUMNS)]
+            if "heldout_loss" in rows[0]:
+                domains = list(rows[0]["heldout_loss"])
+                lines += ["", "Held-out masked-LM loss per domain (and its change against the full-budget merge):", "",
+                          "| budget | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+                for r in rows:
+                    lines.append(f"| {r['budget']} | " + " | ".join(
+                        f"{r['heldout_loss'][d]:.3f} ({100 * r['loss_increase'][d]:+.2f}%)" for d in domains) + " |")
+                lines.append("")
             mk, st = res["mergekit"], res["stream_merge"]
             lines.append(f"Full-read streaming merge (cold): {st['seconds']:.2f} s, peak RSS {st['peak_rss'] / 2**20:,.0f} MiB.  ")
             if "skipped" in mk:
                 lines.append(f"mergekit: {mk['skipped']}.")
             else:
                 lines.append(f"mergekit 0.1.5 (cold): {mk['seconds']:.2f} s, peak RSS {mk['peak_rss'] / 2**20:,.0f} MiB.")
-            png = folder / f"k{k}-{op}.png"
-            png.write_bytes(plot_sweep(rows, f"K={k} {op}", references={
+            png = folder / f"{label}-{op}.png"
+            png.write_bytes(plot_sweep(rows, f"{label} (K={k}) {op}", references={
                 "stream merge": st["seconds"], **({} if "skipped" in mk else {"mergekit": mk["seconds"]})}))
-            lines += ["", f"![K={k} {op}]({png.name})", ""]
+            lines += ["", f"![{label} {op}]({png.name})", ""]
     return "\n".join(lines) + "\n"
 
 
@@ -296,17 +335,23 @@ def machine() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("family", choices=["llm"])
+    ap.add_argument("family", choices=["llm", "minilm"])
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--results", type=Path, required=True)
-    ap.add_argument("--k", default="2,4,8")
+    ap.add_argument("--k", default="2,4,8", help="llm: family sizes")
+    ap.add_argument("--variants", default="tied,untied", help="minilm: decoder variants")
     ap.add_argument("--operators", default="task_arithmetic,ties,dare_ties")
     ap.add_argument("--budgets", default="5,10,25,50,100")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mergekit", default=None, help="mergekit-yaml to compare with, or 'none'")
     ap.add_argument("--mergekit-runs", type=int, default=1)
     ap.add_argument("--scratch", default=None, help="Folder for outputs and catalogs (default: the temp dir).")
+    ap.add_argument("--render", action="store_true", help="only re-render results.json")
     args = ap.parse_args()
+    if args.render:
+        results = json.loads((args.results / "results.json").read_text())
+        (args.results / "results.md").write_text(render(results, args.results))
+        return
     args.operators = args.operators.split(",")
     args.budgets = [int(b) for b in args.budgets.split(",")]
     if 100 not in args.budgets:
@@ -319,8 +364,8 @@ def main() -> None:
         bench.start_server()
         results = {"family": args.family, "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                    "fixed_costs": bench.fixed_costs(), "families": []}
-        for k in [int(x) for x in args.k.split(",")]:
-            results["families"].append(bench.family(k))
+        for fam in families(args):
+            results["families"].append(bench.family(fam))
             (args.results / "results.json").write_text(json.dumps(results, indent=1, default=str))
         results["seconds"] = time.time() - t0
         (args.results / "results.json").write_text(json.dumps(results, indent=1, default=str))
