@@ -125,8 +125,9 @@ class Bench:
             self.server.stop()
         shutil.rmtree(self.scratch, ignore_errors=True)
 
-    def mergepipe(self, *args: str) -> measure.Measured:
-        return measure.run([*MERGEPIPE, *args, "--json"], env=self.env)
+    def mergepipe(self, *args: str, home: Path | None = None) -> measure.Measured:
+        env = self.env if home is None else dict(self.env, MERGEPIPE_HOME=str(home))
+        return measure.run([*MERGEPIPE, *args, "--json"], env=env)
 
     # -- one family size -----------------------------------------------------------------------
     def family(self, fam: Family) -> dict:
@@ -134,11 +135,13 @@ class Bench:
         out: dict = {"label": fam.label, "k": fam.k, "input_bytes": sum(p.stat().st_size for p in files), "operators": {}}
         cfg = fam.config("task_arithmetic")
         measure.evict(files)
-        idx = self.mergepipe("index", str(cfg), "--catalog", str(self.scratch / f"index-only-{fam.label}.duckdb"))
+        # Fresh catalogs and homes: the statistics pass must not come from any cache.
+        idx = self.mergepipe("index", str(cfg), "--catalog", str(self.scratch / f"index-only-{fam.label}.duckdb"),
+                             home=self.scratch / f"home-index-{fam.label}")
         out["index"] = {"seconds": idx.seconds, "peak_rss": idx.peak_rss, "result": idx.json()}
         measure.evict(files)
         first = self.mergepipe("merge", str(cfg), "--out", str(self.scratch / "first"), "--catalog",
-                               str(self.scratch / f"first-{fam.label}.duckdb"))
+                               str(self.scratch / f"first-{fam.label}.duckdb"), home=self.scratch / f"home-first-{fam.label}")
         out["first_merge"] = {"seconds": first.seconds, "peak_rss": first.peak_rss}
         shutil.rmtree(self.scratch / "first")
         catalog = self.scratch / f"catalog-{fam.label}.duckdb"
@@ -213,7 +216,10 @@ class Bench:
             out = self.scratch / "mergekit-out"
             shutil.rmtree(out, ignore_errors=True)
             env = dict(self.env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-            m = measure.run([exe, cfg.name, str(out), "--no-copy-tokenizer", "--no-write-model-card"], env=env, cwd=cfg.parent)
+            try:
+                m = measure.run([exe, cfg.name, str(out), "--no-copy-tokenizer", "--no-write-model-card"], env=env, cwd=cfg.parent)
+            except RuntimeError as err:  # e.g. an architecture mergekit does not know
+                return {"skipped": f"mergekit failed: {str(err).strip().splitlines()[-1][:300]}"}
             runs.append(m)
         shutil.rmtree(self.scratch / "mergekit-out", ignore_errors=True)
         return {"seconds": median([m.seconds for m in runs]), "runs": [m.seconds for m in runs],
