@@ -40,7 +40,8 @@ def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> Mea
     proc = subprocess.run([sys.executable, "-c", wrapper, *map(str, cmd)], env=env, cwd=cwd, capture_output=True, text=True)
     line = [x for x in proc.stderr.splitlines() if x.startswith("@@measure ")]
     if proc.returncode != 0 or not line:
-        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        err = "\n".join(x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("@@measure "))
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({proc.returncode}):\n{err[-3000:]}")
     m = json.loads(line[-1].removeprefix("@@measure "))
     return Measured(m["seconds"], m["rss"], proc.stdout, proc.returncode)
 
