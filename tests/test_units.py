@@ -189,3 +189,25 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors():
         a = op.merge(base, LazyExperts(base, lambda k: patches.get(k), 3), params, ctx)
         b = op.merge(base, whole, params, ctx)
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (normalize, lam)
+
+
+@pytest.mark.parametrize("chunk", [3, 1 << 22])
+def test_selection_ties_go_to_the_lowest_indices(monkeypatch, chunk):
+    """Top-k and bottom-k masks against a stable sort, with many ties, and with the tie count
+    split over several chunks."""
+    from mergepipe.operators import sparsify
+
+    monkeypatch.setattr(sparsify, "_TIE_CHUNK", chunk)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        v = torch.randint(0, 5, (n,), generator=g).float() * 0.5 - 1
+        k = int(torch.randint(0, n + 2, (1,), generator=g))
+        want = torch.zeros(n, dtype=torch.bool)
+        want[sorted(range(n), key=lambda i: (float(v[i]), i))[: max(0, k)]] = True
+        assert torch.equal(sparsify.rank_below(v, k), want)
+        density = float(torch.rand(1, generator=g))
+        top = max(1, int(density * n))
+        want = torch.zeros(n, dtype=torch.bool)
+        want[sorted(range(n), key=lambda i: (-abs(float(v[i])), i))[:top]] = True
+        assert torch.equal(sparsify.magnitude_keep_mask(v, density), want)

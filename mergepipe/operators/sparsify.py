@@ -61,18 +61,50 @@ def random_drop(tau: torch.Tensor, density: float, rescale: bool, expert: int, c
     return _masked(tau, ctx.keep(expert, probs.expand(tau.shape), ctx), rescale)
 
 
-def rank_below(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Mask of the k smallest of a flat tensor, ties at the threshold going to the lowest
-    indices: a k-th value selection and a running count, never a full sort."""
+_TIE_CHUNK = 1 << 22
+
+
+def _order_statistic(values: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th smallest value (1-based) of a flat tensor. (numpy's partition would avoid
+    kthvalue's int64 scratch index, but it is ten times slower when many values are equal, as
+    the zeros of bf16 deltas are.)"""
+    return torch.kthvalue(values, k).values
+
+
+def _first_at(mask: torch.Tensor, count: int) -> int:
+    """The end of the shortest prefix of a flat bool mask holding `count` true elements (found
+    chunk by chunk, so no index or running count is built over the whole tensor)."""
+    for start in range(0, mask.numel(), _TIE_CHUNK):
+        part = mask[start : start + _TIE_CHUNK]
+        c = int(part.sum())
+        if c >= count:
+            return start + int(part.nonzero()[count - 1]) + 1
+        count -= c
+    return mask.numel()
+
+
+def _select(values: torch.Tensor, k: int, largest: bool) -> torch.Tensor:
+    """Mask of the k smallest (or largest) of a flat tensor; ties at the threshold go to the
+    lowest indices."""
     n = values.numel()
     if k <= 0:
         return torch.zeros(n, dtype=torch.bool)
     if k >= n:
         return torch.ones(n, dtype=torch.bool)
-    threshold = torch.kthvalue(values, k).values
-    keep = values < threshold
+    threshold = _order_statistic(values, n - k + 1 if largest else k)
+    keep = values > threshold if largest else values < threshold
     at_threshold = values == threshold
-    return keep | (at_threshold & (torch.cumsum(at_threshold, 0) <= k - int(keep.sum())))
+    need = k - int(keep.sum())
+    if need > 0:
+        end = _first_at(at_threshold, need)
+        keep[:end] |= at_threshold[:end]
+    return keep
+
+
+def rank_below(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Mask of the k smallest of a flat tensor, ties at the threshold going to the lowest
+    indices: a k-th value selection and a count of the ties, never a sort."""
+    return _select(values, k, largest=False)
 
 
 def magnitude_keep_mask(tau: torch.Tensor, density: float) -> torch.Tensor:
@@ -83,9 +115,7 @@ def magnitude_keep_mask(tau: torch.Tensor, density: float) -> torch.Tensor:
     k = max(1, int(density * n))
     if k >= n:
         return torch.ones_like(tau, dtype=torch.bool)
-    # The k largest are the complement of the n - k smallest under the reversed tie order.
-    smallest = rank_below(flat.flip(0), n - k).flip(0)
-    return (~smallest).reshape(tau.shape)
+    return _select(flat, k, largest=True).reshape(tau.shape)
 
 
 def magnitude_prune(tau: torch.Tensor, density: float, rescale: bool) -> torch.Tensor:
