@@ -160,7 +160,8 @@ def compute_stats(
     then computed in parallel threads, and their rows gathered in a fixed order."""
     cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
     layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
-    experts = [(i, family.experts[i], family.expert_fps()[i]) for i in expert_positions]
+    fps = family.expert_fps()
+    experts = [(i, family.experts[i], fps[i]) for i in expert_positions]
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
     # Read in file order so a cold disk sees near-sequential access.

@@ -181,11 +181,13 @@ def build_plan(
     *,
     budget_bytes: int,
     bound: float,
+    params: ParamTable | None = None,
 ) -> Plan:
-    """Assemble a plan from a chosen access set (from the planner, or from a manifest)."""
+    """Assemble a plan from a chosen access set (from the planner, or from a manifest).
+    `params`: the per-tensor parameters, when the caller has resolved them already."""
     access = access.select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     op = get_operator(spec.merge_method)
-    params = resolve_tensor_params(spec, family.base.tensors)
+    params = resolve_tensor_params(spec, family.base.tensors) if params is None else params
     inputs = describe_inputs(family, content)
     access_sha = access_set_sha256(access)
     spec_content = spec.content()

@@ -320,6 +320,12 @@ def _where(tensor: str) -> str:
 
 
 def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0):
+    """The parameters of one tensor at layer position t (see _resolve), after check_parameters."""
+    check_parameters(spec)
+    return _resolve(spec, tensor, t)
+
+
+def _resolve(spec: MergeSpec, tensor: str, t: float):
     """The parameters of one tensor at layer position t, with the operator's defaults.
 
     Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
@@ -329,7 +335,6 @@ def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0):
     adds it as an input), and leaves it out otherwise."""
     from .operators import MergeParams, get_operator
 
-    check_parameters(spec)
     op = get_operator(spec.merge_method)
     g = spec.parameters
 
@@ -389,6 +394,7 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names):
     Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
     from .operators import ParamTable
 
+    check_parameters(spec)
     names = sorted(tensor_names)
     n_layers = layer_count(names)
-    return ParamTable.build({name: resolve_params(spec, name, layer_position(name, n_layers)) for name in names})
+    return ParamTable.build({name: _resolve(spec, name, layer_position(name, n_layers)) for name in names})

@@ -242,6 +242,16 @@ def _edit_config(cfg: Path, **changes) -> None:
     cfg.write_text(yaml.safe_dump(doc))
 
 
+def _edit_first_model(cfg: Path, model: str | None = None, **parameters) -> None:
+    import yaml
+
+    doc = yaml.safe_load(cfg.read_text())
+    if model is not None:
+        doc["models"][0]["model"] = model
+    doc["models"][0]["parameters"].update(parameters)
+    cfg.write_text(yaml.safe_dump(doc))
+
+
 def budget_negative(fam, cfg):
     _edit_config(cfg, budget=-5)
     return "budget"
@@ -263,11 +273,7 @@ def unknown_operator(fam, cfg):
 
 
 def unknown_parameter(fam, cfg):
-    import yaml
-
-    doc = yaml.safe_load(cfg.read_text())
-    doc["models"][0]["parameters"]["strength"] = 2
-    cfg.write_text(yaml.safe_dump(doc))
+    _edit_first_model(cfg, strength=2)
     return "models.0.parameters.strength: unknown key"
 
 
@@ -314,33 +320,21 @@ def tokenizer_union(fam, cfg):
 
 
 def lora_reference(fam, cfg):
-    import yaml
-
-    doc = yaml.safe_load(cfg.read_text())
-    doc["models"][0]["model"] = f"{fam.experts[0]}+adapters/my-lora"
-    cfg.write_text(yaml.safe_dump(doc))
+    _edit_first_model(cfg, model=f"{fam.experts[0]}+adapters/my-lora")
     return "models[0].model: " + repr(f"{fam.experts[0]}+adapters/my-lora") + " is a LoRA reference"
 
 
 def condition_with_unknown_key(fam, cfg):
     # mergekit's own gradient-slerp example writes `pattern:`, which mergekit silently ignores
     # (making that condition match every tensor).
-    import yaml
-
-    doc = yaml.safe_load(cfg.read_text())
-    doc["models"][0]["parameters"]["weight"] = [{"pattern": "mlp", "value": 0.5}, {"value": 0.1}]
-    cfg.write_text(yaml.safe_dump(doc))
+    _edit_first_model(cfg, weight=[{"pattern": "mlp", "value": 0.5}, {"value": 0.1}])
     return "models.0.parameters.weight: [0].pattern: unknown key"
 
 
 def weight_filter_misses_a_tensor(fam, cfg):
     # No condition matches the embeddings and there is no global weight: named per tensor,
     # before any statistics are taken.
-    import yaml
-
-    doc = yaml.safe_load(cfg.read_text())
-    doc["models"][0]["parameters"]["weight"] = [{"filter": "layers.", "value": 0.5}]
-    cfg.write_text(yaml.safe_dump(doc))
+    _edit_first_model(cfg, weight=[{"filter": "layers.", "value": 0.5}])
     return "models[0].parameters.weight: required by merge_method 'task_arithmetic' for tensor 'model.embed_tokens.weight'"
 
 

@@ -20,6 +20,19 @@ from .reductions import fixed_norm, fixed_sum
 SHARED = frozenset({"int8_mask"})
 
 
+class _WholeTensorOperator:
+    """What slerp, nuslerp and model_stock share: no normalize or rescale, not additive (their
+    coefficients only rank blocks), each expert read once."""
+
+    default_normalize = False
+    default_rescale = False
+    additive = False
+    zero_coefficient_unused = False
+    expert_passes = 1
+    uses_density = False
+    required_shared: frozenset[str] = frozenset()
+
+
 def _last_dim(x: torch.Tensor, fn_fixed, fn_torch) -> torch.Tensor:
     """A reduction over the last dim, keepdim; one-output reductions go through `fn_fixed`."""
     if x.shape[:-1].numel() == 1:
@@ -77,21 +90,15 @@ def nuslerp(t: float, v0: torch.Tensor, v1: torch.Tensor, *, flatten: bool, row_
 
 
 @dataclass(frozen=True)
-class Slerp:
+class Slerp(_WholeTensorOperator):
     """base + one expert: out = slerp(t, base, expert)."""
 
     name: str = "slerp"
-    default_normalize: bool = False
-    default_rescale: bool = False
     expert_parameters: frozenset[str] = frozenset()
     shared_parameters: frozenset[str] = frozenset({"t"}) | SHARED
     required_shared: frozenset[str] = frozenset({"t"})
     min_experts: int = 1
     max_experts: int | None = 1
-    additive: bool = False
-    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
-    expert_passes: int = 1
-    uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
         return [abs(params.t)]
@@ -106,23 +113,16 @@ def nuslerp_t(weights: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
-class NuSlerp:
+class NuSlerp(_WholeTensorOperator):
     """Two experts, interpolated at t = w_1 / (w_0 + w_1) on their task vectors: out = base +
     nuslerp(t, x_0 - base, x_1 - base). (mergekit's base-less form interpolates the models
     themselves; mergepipe always has a base.)"""
 
     name: str = "nuslerp"
-    default_normalize: bool = False
-    default_rescale: bool = False
     expert_parameters: frozenset[str] = frozenset({"weight"})
     shared_parameters: frozenset[str] = frozenset({"nuslerp_flatten", "nuslerp_row_wise"}) | SHARED
-    required_shared: frozenset[str] = frozenset()
     min_experts: int = 2
     max_experts: int | None = 2
-    additive: bool = False
-    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
-    expert_passes: int = 1
-    uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
         t = nuslerp_t(params.weights)
@@ -135,23 +135,16 @@ class NuSlerp:
 
 
 @dataclass(frozen=True)
-class ModelStock:
+class ModelStock(_WholeTensorOperator):
     """out = t * mean(experts) + (1 - t) * base, t = K c / (1 + (K - 1) c) from the mean pairwise
     cosine c of the task vectors (per tensor, or per row with filter_wise); t = 0 where the
     denominator vanishes."""
 
     name: str = "model_stock"
-    default_normalize: bool = False
-    default_rescale: bool = False
     expert_parameters: frozenset[str] = frozenset()
     shared_parameters: frozenset[str] = frozenset({"filter_wise"}) | SHARED
-    required_shared: frozenset[str] = frozenset()
     min_experts: int = 2
     max_experts: int | None = None
-    additive: bool = False
-    zero_coefficient_unused: bool = False  # their coefficients are only a ranking proxy
-    expert_passes: int = 1
-    uses_density: bool = False
 
     def coefficients(self, params: MergeParams) -> list[float]:
         return [1.0 / len(params.weights)] * len(params.weights)

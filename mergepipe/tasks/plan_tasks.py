@@ -59,7 +59,8 @@ def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog
             planner.select_within_bytes(con, budget_bytes)
         check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
         access = planner.selected_pairs(con)
-        plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)))
+        plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)),
+                          params=table)
         # Budget soundness is a property of the plan, checked before any expert byte is read.
         if plan.expert_bytes_planned > budget_bytes:
             raise MergepipeError(f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}")
