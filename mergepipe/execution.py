@@ -102,7 +102,7 @@ class GroupMerger:
         (raw,), *expert_raws = self.reader.read_batch([base_request] + [requests[k] for k in order])
         if not dt.is_float:
             self.written.update(raw)
-            write_at(out_path, out.start, bytes(raw), self.ledger)
+            write_at(out_path, out.start, raw, self.ledger)
             return
         base = _compute(decode(raw, dtype, shape), self.compute_dtype)
         fetched = dict(zip(order, expert_raws))
@@ -114,7 +114,8 @@ class GroupMerger:
             return self._expert_rows(k, name, as_rows(base).shape[1], runs[k], raws)
 
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
-        merged = self.op.merge(base, LazyExperts(base, planned_rows, len(self.plan.inputs) - 1), self.params.for_tensor(name), ctx)
+        experts = LazyExperts(base, planned_rows, len(self.plan.inputs) - 1, self._to_compute)
+        merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)
@@ -129,9 +130,13 @@ class GroupMerger:
         return ReadRequest(self._path(k + 1, file), ranges, "expert", inp.role, file)
 
     def _expert_rows(self, k: int, name: str, width: int, row_runs: list[tuple[int, int]], raws: list[bytearray]) -> ExpertRows:
-        """The expert's planned rows, decoded to fp32 (as rows of the tensor's 2-D view)."""
+        """The expert's planned rows as stored (rows of the tensor's 2-D view over the read
+        buffers, no copy); the operator converts them with to_compute, piece by piece."""
         dtype = self.plan.inputs[k + 1].tensors[name][1]
-        return [((r0, r1), _compute(decode(raw, dtype, (r1 - r0, width)), self.compute_dtype)) for (r0, r1), raw in zip(row_runs, raws)]
+        return [((r0, r1), decode(raw, dtype, (r1 - r0, width))) for (r0, r1), raw in zip(row_runs, raws)]
+
+    def _to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        return _compute(t, self.compute_dtype)
 
 
 class LazyExperts(Sequence):
@@ -140,11 +145,17 @@ class LazyExperts(Sequence):
     one expert-sized tensor at a time, not K of them. An operator with expert_passes == 1 must
     ask for each expert at most once (its rows are read when asked for), by index or by rows().
 
-    rows(k) gives the planned rows alone (None when nothing is planned): an operator that is a
-    sum of weighted deltas need not touch the rest of the tensor, where the delta is zero."""
+    rows(k) gives the planned rows alone (None when nothing is planned), in their stored dtype:
+    an operator that is a sum of weighted deltas need not touch the rest of the tensor, where the
+    delta is zero, and converts them with to_compute (fp32, after any rounding to the config's
+    dtype) a piece at a time."""
 
-    def __init__(self, base: torch.Tensor, planned_rows: Callable[[int], ExpertRows | None], n: int) -> None:
+    def __init__(
+        self, base: torch.Tensor, planned_rows: Callable[[int], ExpertRows | None], n: int,
+        to_compute: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(torch.float32),
+    ) -> None:
         self._base, self._rows, self._n = base, planned_rows, n
+        self.to_compute = to_compute
 
     def __len__(self) -> int:
         return self._n
@@ -161,7 +172,7 @@ class LazyExperts(Sequence):
         x = self._base.clone()
         view = as_rows(x)
         for (r0, r1), values in patch:
-            view[r0:r1] = values
+            view[r0:r1] = self.to_compute(values)
         return x
 
 

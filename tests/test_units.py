@@ -168,27 +168,43 @@ def test_storage_options_are_never_shown(tmp_path):
     assert "storage_options" not in json.dumps(spec.content())
 
 
-def test_weighted_sum_over_planned_rows_equals_whole_tensors():
-    """task_arithmetic computes only the rows an expert was read in when it can: the result is
-    bit-identical to the same operator on whole expert tensors (base values elsewhere)."""
+@pytest.mark.parametrize("step", [5, 1 << 18])
+def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
+    """task_arithmetic computes only the rows an expert was read in when it can, converting the
+    stored rows piece by piece: the result is bit-identical to the same operator on whole expert
+    tensors (base values elsewhere), with steps that split the row runs and with none."""
     from mergepipe.execution import LazyExperts
-    from mergepipe.operators import OPERATORS, MergeParams, TensorContext
+    from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
 
+    monkeypatch.setattr(gta, "ROW_STEP_ELEMENTS", step)
     g = torch.Generator().manual_seed(4)
     base = torch.randn(40, 6, generator=g)
     base[3, 2] = -0.0  # signed zeros must survive either way
     patches = {0: [((0, 5), None), ((20, 23), None)], 2: [((7, 40), None)]}  # expert 1: nothing planned
     for k, runs in patches.items():
-        patches[k] = [((r0, r1), base[r0:r1] + torch.randn(r1 - r0, 6, generator=g) * 0.1) for (r0, r1), _ in runs]
-    lazy = LazyExperts(base, lambda k: patches.get(k), 3)
+        # stored as bf16, computed after rounding to fp16 (a config `dtype`): conversions count
+        patches[k] = [
+            ((r0, r1), (base[r0:r1] + torch.randn(r1 - r0, 6, generator=g) * 0.1).to(torch.bfloat16)) for (r0, r1), _ in runs
+        ]
+    patches[2][0][1][0, 0] = -0.0
+
+    def to_compute(t):
+        return t.to(torch.float16).to(torch.float32)
+
+    lazy = LazyExperts(base, lambda k: patches.get(k), 3, to_compute)
     whole = [lazy[k] for k in range(3)]
     op = OPERATORS["task_arithmetic"]
     for normalize, lam in [(False, 1.0), (True, 0.7), (False, -1.3)]:
         params = MergeParams(weights=(0.5, -0.25, 1.5), densities=(1.0,) * 3, lam=lam, normalize=normalize)
         ctx = TensorContext("t", ((0, 40),), 0)
-        a = op.merge(base, LazyExperts(base, lambda k: patches.get(k), 3), params, ctx)
+        a = op.merge(base, LazyExperts(base, lambda k: patches.get(k), 3, to_compute), params, ctx)
         b = op.merge(base, whole, params, ctx)
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (normalize, lam)
+        # and the textbook formula, whole tensors, out of place
+        mixed = sum((x - base) * w for x, w in zip(whole, params.weights))
+        if normalize:
+            mixed = mixed / sum(params.weights)
+        assert torch.equal(a.view(torch.int32), (base + mixed * lam).view(torch.int32)), (normalize, lam)
 
 
 @pytest.mark.parametrize("chunk", [3, 1 << 22])

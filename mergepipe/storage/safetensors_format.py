@@ -157,9 +157,10 @@ def decode(raw: bytes | bytearray | memoryview, dtype: str, shape: tuple[int, ..
     return torch.frombuffer(raw, dtype=t).reshape(shape)
 
 
-def encode(t: torch.Tensor) -> bytes:
-    """Tensor to little-endian bytes in its own dtype."""
+def encode(t: torch.Tensor) -> memoryview:
+    """Tensor to little-endian bytes in its own dtype: a view of the tensor's memory (no copy),
+    which keeps the tensor alive."""
     t = t.contiguous()
     if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

@@ -170,7 +170,7 @@ def create_shard(path: Path, header: bytes, size: int) -> None:
         raise MergepipeError(f"{path}: cannot create output shard ({err.strerror or err})") from err
 
 
-def write_at(path: Path, offset: int, data: bytes, ledger: ByteLedger, *, model: str = "output") -> None:
+def write_at(path: Path, offset: int, data: bytes | memoryview, ledger: ByteLedger, *, model: str = "output") -> None:
     try:
         fd = os.open(path, os.O_WRONLY)
         try:
