@@ -207,6 +207,58 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
         assert torch.equal(a.view(torch.int32), (base + mixed * lam).view(torch.int32)), (normalize, lam)
 
 
+@pytest.mark.parametrize("method", ["ties", "dare_ties", "breadcrumbs_ties", "della"])
+def test_sign_election_holds_or_recomputes_the_same_deltas(monkeypatch, method):
+    """Consensus operators keep the sparsified deltas between their two passes when they fit,
+    and compute them again when they do not: bit-identical results either way."""
+    from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
+
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 5, generator=g)
+    experts = [base + torch.randn(64, 5, generator=g) * 0.1 for _ in range(3)]
+    params = MergeParams(
+        weights=(0.6, 0.3, 0.9), densities=(0.5, 0.7, 0.3), gammas=(0.01,) * 3, epsilons=(0.1,) * 3,
+        normalize=True, rescale=method.startswith("della"),
+    )
+    ctx = TensorContext("t", ((0, 16), (16, 40), (40, 64)), 3)
+    op = OPERATORS[method]
+    held = op.merge(base, experts, params, ctx)
+    monkeypatch.setattr(gta, "HELD_DELTA_BYTES", 0)
+    recomputed = op.merge(base, experts, params, ctx)
+    assert torch.equal(held.view(torch.int32), recomputed.view(torch.int32))
+    assert not torch.equal(held, base)
+
+
+@pytest.mark.parametrize("sample", [4, 1024])
+def test_order_statistic_by_bracket_equals_kthvalue(monkeypatch, sample):
+    """The bracketed k-th value equals torch.kthvalue's, on data whose order fools a strided
+    sample (sorted, reversed, periodic), with runs of equal values (zeros), NaN, and brackets
+    that miss (the fallback); on shuffled data the bracket holds the answer, so kthvalue never
+    sees the whole tensor."""
+    from mergepipe.operators import sparsify
+
+    monkeypatch.setattr(sparsify, "_BRACKET_SAMPLE", sample)
+    kthvalue, seen = torch.kthvalue, []
+    monkeypatch.setattr(torch, "kthvalue", lambda v, k: (seen.append(v.numel()), kthvalue(v, k))[1])
+    g = torch.Generator().manual_seed(1)
+    n = max(200, 5 * sample)
+    cases = {
+        "shuffled": torch.randn(n, generator=g),
+        "sorted": torch.sort(torch.randn(n, generator=g)).values,
+        "reversed": torch.sort(torch.randn(n, generator=g), descending=True).values,
+        "periodic": torch.arange(n).remainder(7).float(),
+        "zeros": torch.where(torch.rand(n, generator=g) < 0.6, 0.0, torch.randn(n, generator=g).abs()),
+        "nan": torch.cat([torch.randn(n - 40, generator=g), torch.full((40,), float("nan"))]),
+    }
+    for name, v in cases.items():
+        seen.clear()
+        for k in sorted({1, 2, n // 3, n // 2, n - 41, n - 40, n - 39, n - 1, n, *range(1, n + 1, max(1, n // 97))}):
+            got, want = sparsify._order_statistic(v, k), kthvalue(v, k).values
+            assert torch.equal(got, want) or (got.isnan() and want.isnan()), (name, k, got, want)
+        if name == "shuffled" and sample > 4:
+            assert max(seen) < n // 3, seen  # the bracket: about 2 * margin / sample of the elements
+
+
 @pytest.mark.parametrize("chunk", [3, 1 << 22])
 def test_selection_ties_go_to_the_lowest_indices(monkeypatch, chunk):
     """Top-k and bottom-k masks against a stable sort, with many ties, and with the tie count

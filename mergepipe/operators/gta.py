@@ -88,15 +88,24 @@ class GeneralizedTaskArithmetic:
 
     def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
         if self.consensus:
+            # The election needs every sparsified delta before the sum can start. They are kept
+            # for the second pass when they fit HELD_DELTA_BYTES, else computed again (the same
+            # values: masks depend only on the seed, expert, tensor and block).
+            hold = len(experts) * base.numel() * base.element_size() <= HELD_DELTA_BYTES
+            held = []
             total = torch.zeros_like(base)
             for i, x in enumerate(experts):
-                total += self._delta(base, x, params, i, ctx)
+                d = self._delta(base, x, params, i, ctx)
+                total += d
+                if hold:
+                    held.append(d)
+                del d
             positive = total >= 0
             del total
             num = torch.zeros_like(base)
             den = torch.zeros_like(base)
-            for i, x in enumerate(experts):
-                d = self._delta(base, x, params, i, ctx)
+            for i in range(len(experts)):
+                d = held[i] if hold else self._delta(base, experts[i], params, i, ctx)
                 agree = torch.where(positive, d > 0, d < 0).to(base.dtype)
                 num += d * agree
                 den += agree * params.weights[i]
@@ -117,6 +126,10 @@ class GeneralizedTaskArithmetic:
         # base + mixed * lam, in place (addition commutes bit for bit): no whole-tensor temporaries
         return mixed.mul_(params.lam).add_(base)
 
+
+# Sparsified deltas of one tensor kept between the sign election and the sum (per task): the
+# layers' tensors fit, a 136M-element embedding with 8 experts (4.4 GB) does not.
+HELD_DELTA_BYTES = 512 << 20
 
 # Elements per step of the weighted sum over planned rows. Whole-tensor operations each stream
 # the tensor through memory (convert, subtract, scale, add: about 38 bytes per element); in steps
