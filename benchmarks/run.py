@@ -178,7 +178,7 @@ class Bench:
                 "total_bytes_read": sum(v for r, v in result["bytes"].items() if r in ("header", "base", "expert")),
                 "wall_seconds": median(cold), "cold_seconds": cold, "warm_seconds": warm,
                 "warm_median": median(warm), "peak_rss": max(rss), "error_bound": result["error_bound"],
-                "bound_guaranteed": result["bound_guaranteed"], "hardware_limit": hw,
+                "bound_guaranteed": result["bound_guaranteed"], "hardware_limit": hw, "digest": result["digest"],
             })
         full = outs[100]
         for row, b in zip(rows, self.args.budgets):
