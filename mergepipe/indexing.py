@@ -11,9 +11,10 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -66,13 +67,15 @@ def delta_stats(base: torch.Tensor, expert: torch.Tensor, base64: np.ndarray | N
         return 0.0, 0.0, 0
     if base64 is None:
         base64 = base.double().numpy().reshape(-1)
-    d = expert.double().numpy().reshape(-1) - base64
+    d = expert.double().numpy().reshape(-1)  # a fresh array: the steps below work in place
+    np.subtract(d, base64, out=d)
     if expert.dtype == base.dtype:
         width = _INT_OF_WIDTH[expert.element_size()]
         differs = int(np.count_nonzero(expert.view(width).numpy() != base.view(width).numpy()))
     else:  # stored in another dtype: compare values (and signs of zeros)
         differs = int(((d != 0) | (torch.signbit(expert) != torch.signbit(base)).numpy().reshape(-1)).sum())
-    return float(np.square(d).sum()), float(np.abs(d).max()), differs
+    max_abs = max(abs(float(d.max())), abs(float(d.min())))  # NaN in, NaN out (numpy's max and min propagate it)
+    return float(np.square(d, out=d).sum()), max_abs, differs
 
 
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
@@ -96,6 +99,8 @@ class StatsResult:
 # The pass reads every byte anyway: it fetches runs of whole blocks of about this size at once
 # (one request per model per run, concurrent on object stores) and cuts them into blocks in memory.
 READ_CHUNK = 8 * 1024 * 1024
+# Runs read ahead of the one being measured, each on its own thread.
+READ_AHEAD = 3
 
 
 def chunk_blocks(blocks: list[tuple[int, int]], row_bytes: int, chunk: int = READ_CHUNK) -> list[list[int]]:
@@ -164,49 +169,72 @@ def compute_stats(
     experts = [(i, family.experts[i], fps[i]) for i in expert_positions]
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
-    # Read in file order so a cold disk sees near-sequential access.
-    order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].info.start))
-    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool:
-        for name in order:
-            info = family.base.tensors[name].info
-            dt = DTYPES[info.dtype]
-            blocks = block_rows(info.shape, dt.itemsize, block_size)
-            for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
-                rows = [blocks[b] for b in run]
-                per_model = [_block_ranges(m, name, rows) for _, _, m in models]
-                requests = [
-                    ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
-                    for (label, role, m), r in zip(models, per_model)
-                ]
-                chunks = [bufs[0] for bufs in reader.read_batch(requests)]
-                base_raws = [chunks[0][r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
-                for raw in base_raws:
-                    hashers[0][name].update(raw)
-                if not dt.is_float:
-                    _check_buffers(experts, name, info.dtype, chunks[0], chunks[1:], hashers[1:])
-                    continue
-                bases = []
-                for b, block, raw in zip(run, rows, base_raws):
-                    base_t = _decode_block(family.base, name, block, raw)
-                    bases.append((base_t, base_t.double().numpy().reshape(-1)))
-                    for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw))):
-                        layout[col].append(value)
-                futures = [
-                    pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])
-                    for (_, model, fp), chunk, ranges, h in zip(experts, chunks[1:], per_model[1:], hashers[1:])
-                ]
-                per_expert = [f.result() for f in futures]
-                for j in range(len(run)):
-                    for expert_rows in per_expert:
-                        for col, value in zip(STATS_SCHEMA.names, expert_rows[j]):
-                            cols[col].append(value)
-                if progress:
-                    progress(sum(len(c) for c in chunks[1:]))
+    runs = list(_block_runs(family, models, block_size))
+    # The next runs are read while this one is measured: a cold disk needs several requests in
+    # flight to approach its sequential rate.
+    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool, \
+            ThreadPoolExecutor(READ_AHEAD) as ahead:
+        pending = deque(ahead.submit(reader.read_batch, r.requests) for r in runs[:READ_AHEAD])
+        for i, (name, info, dt, run, _, rows, per_model) in enumerate(runs):
+            chunks = [bufs[0] for bufs in pending.popleft().result()]
+            if i + READ_AHEAD < len(runs):
+                pending.append(ahead.submit(reader.read_batch, runs[i + READ_AHEAD].requests))
+            base_raws = [chunks[0][r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
+            for raw in base_raws:
+                hashers[0][name].update(raw)
+            if not dt.is_float:
+                _check_buffers(experts, name, info.dtype, chunks[0], chunks[1:], hashers[1:])
+                continue
+            bases = []
+            for b, block, raw in zip(run, rows, base_raws):
+                base_t = _decode_block(family.base, name, block, raw)
+                bases.append((base_t, base_t.double().numpy().reshape(-1)))
+                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw))):
+                    layout[col].append(value)
+            futures = [
+                pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])
+                for (_, model, fp), chunk, ranges, h in zip(experts, chunks[1:], per_model[1:], hashers[1:])
+            ]
+            per_expert = [f.result() for f in futures]
+            for j in range(len(run)):
+                for expert_rows in per_expert:
+                    for col, value in zip(STATS_SCHEMA.names, expert_rows[j]):
+                        cols[col].append(value)
+            if progress:
+                progress(sum(len(c) for c in chunks[1:]))
     result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
     for (i, model, fp), h in zip(experts, hashers[1:]):
         result.content[fp] = content_digest({n: x.hexdigest() for n, x in h.items()}, model)
     return result
+
+
+class BlockRun(NamedTuple):
+    name: str
+    info: object  # the base's TensorInfo
+    dt: object  # its DTYPES entry
+    run: list[int]  # block numbers
+    requests: list[ReadRequest]  # one range per model: base first, then the experts
+    rows: list[tuple[int, int]]  # each block's rows
+    per_model: list[list[tuple[int, int]]]  # each model's byte range per block
+
+
+def _block_runs(family: Family, models: list, block_size: int) -> Iterator[BlockRun]:
+    """Every run of blocks to read, tensor by tensor in file order (near-sequential on a cold
+    disk)."""
+    order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].info.start))
+    for name in order:
+        info = family.base.tensors[name].info
+        dt = DTYPES[info.dtype]
+        blocks = block_rows(info.shape, dt.itemsize, block_size)
+        for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
+            rows = [blocks[b] for b in run]
+            per_model = [_block_ranges(m, name, rows) for _, _, m in models]
+            requests = [
+                ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
+                for (label, role, m), r in zip(models, per_model)
+            ]
+            yield BlockRun(name, info, dt, run, requests, rows, per_model)
 
 
 def _check_buffers(experts, name: str, dtype: str, base_chunk: bytearray, chunks: list[bytearray], hashers) -> None:

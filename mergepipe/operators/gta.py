@@ -8,8 +8,9 @@ breadcrumbs*, della* (mergekit 0.1.5's GeneralizedTaskArithmeticMerge semantics)
     out = base + lambda * (num / den if normalize else num)
 
 Bounded memory: the sign election is one pass over the experts (a running sum), the
-accumulation a second pass that sparsifies each expert again (the sparsifiers are
-deterministic), so at most a few tensor-sized buffers live at once, never K of them.
+accumulation a second pass over the sparsified deltas, kept from the first when all K fit in
+HELD_DELTA_BYTES and computed again otherwise (the sparsifiers are deterministic). So a huge
+tensor never has K delta-sized buffers alive at once.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from .params import MergeParams, TensorContext, as_rows
 from .sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
+# (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
 Sparsifier = Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]
 
 
@@ -84,7 +86,8 @@ class GeneralizedTaskArithmetic:
         return [abs(params.lam * w / den) for w in params.weights]
 
     def _delta(self, base: torch.Tensor, x: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
-        return self.sparsify(x - base, params, i, ctx) * params.weights[i]
+        # sparsify gets a fresh delta it may change in place; the weight is applied in place too
+        return self.sparsify(x - base, params, i, ctx).mul_(params.weights[i])
 
     def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
         if self.consensus:
@@ -107,8 +110,10 @@ class GeneralizedTaskArithmetic:
             for i in range(len(experts)):
                 d = held[i] if hold else self._delta(base, experts[i], params, i, ctx)
                 agree = torch.where(positive, d > 0, d < 0).to(base.dtype)
-                num += d * agree
-                den += agree * params.weights[i]
+                # products with 0 or 1 are exact, so these fused forms round as num += d * agree
+                # and den += agree * w do, without their two tensor-sized temporaries
+                num.addcmul_(d, agree)
+                den.add_(agree, alpha=params.weights[i])
             den[den == 0] = 1
             mixed = num / den if params.normalize else num
         else:

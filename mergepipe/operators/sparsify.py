@@ -50,8 +50,11 @@ def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
 
 
 def _masked(tau: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Tensor:
-    kept = tau * keep.to(tau.dtype)
-    return l1_rescale(tau, kept) if rescale else kept
+    """tau * keep. tau is the caller's own fresh delta: without rescaling it is masked in place
+    (the same products; one tensor-sized buffer fewer on a 136M-element embedding)."""
+    if rescale:
+        return l1_rescale(tau, tau * keep.to(tau.dtype))
+    return tau.mul_(keep)
 
 
 def random_drop(tau: torch.Tensor, density: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
