@@ -230,23 +230,30 @@ class Bench:
         from mergepipe.synthetic import make_family
         from mergepipe.synthetic import write_config as tiny_config
 
-        imports = [measure.run([sys.executable, "-c", "import mergepipe.cli"], env=self.env).seconds for _ in range(3)]
+        imports = {
+            m: median([measure.run([sys.executable, "-c", f"import {m}"], env=self.env).seconds for _ in range(3)])
+            for m in ("mergepipe.cli", "mergepipe.flows.merge")
+        }
         fam = make_family(self.scratch / "tiny", experts=("dense",), n_layers=1, hidden=32, intermediate=64, vocab=64)
         cfg = tiny_config(self.scratch / "tiny.yaml", fam, "task_arithmetic", weights=[0.5])
-        with_server = []
-        for i in range(3):
-            m = self.mergepipe("merge", str(cfg), "--out", str(self.scratch / "tiny-out"), "--overwrite", "--catalog",
-                               str(self.scratch / "tiny.duckdb"))
-            with_server.append((m.seconds, m.json()["wall_seconds"]))
-        alone_env = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"}
-        alone_env["PREFECT_HOME"] = str(self.scratch / "ephemeral-home")
-        t = measure.run([*MERGEPIPE, "merge", str(cfg), "--out", str(self.scratch / "tiny-eph"), "--json",
-                         "--catalog", str(self.scratch / "tiny-eph.duckdb")], env=alone_env)
+        no_api = {k: v for k, v in self.env.items() if k != "PREFECT_API_URL"}
+        no_api["PREFECT_HOME"] = str(self.scratch / "no-api-prefect-home")
+
+        def tiny(label: str, env: dict, runs: int) -> dict:
+            times = []
+            for i in range(runs):
+                m = measure.run([*MERGEPIPE, "merge", str(cfg), "--out", str(self.scratch / f"tiny-{label}-{i}"), "--json",
+                                 "--catalog", str(self.scratch / f"tiny-{label}.duckdb")], env=env)
+                times.append((m.seconds, m.json()["wall_seconds"]))
+            return {"seconds": median([w for w, _ in times]), "flow_seconds": median([f for _, f in times]), "runs": times}
+
         return {
-            "import_seconds": median(imports),
-            "tiny_merge_seconds": median([w for w, _ in with_server]),
-            "tiny_merge_flow_seconds": median([f for _, f in with_server]),
-            "tiny_merge_ephemeral_server_seconds": t.seconds,
+            "import_seconds": imports,
+            "tiny_merge": {
+                "prefect server": tiny("server", self.env, 3),
+                "in process (no Prefect API)": tiny("local", no_api, 3),
+                "Prefect's temporary server": tiny("temporary", dict(no_api, MERGEPIPE_ORCHESTRATION="prefect"), 1),
+            },
         }
 
 
@@ -291,12 +298,7 @@ COLUMNS = [
 
 def render(results: dict, folder: Path) -> str:
     lines = [f"# Benchmark: {results['family']}", "", f"Machine: {results['machine']}", ""]
-    fc = results["fixed_costs"]
-    lines += ["## Fixed costs", "",
-              f"- `import mergepipe.cli`: {fc['import_seconds']:.2f} s",
-              f"- a tiny merge (one 1-layer expert) as a fresh process against a running Prefect server: "
-              f"{fc['tiny_merge_seconds']:.2f} s, of which the flow itself {fc['tiny_merge_flow_seconds']:.2f} s",
-              f"- the same with no server (Prefect starts an ephemeral one): {fc['tiny_merge_ephemeral_server_seconds']:.2f} s", ""]
+    lines += render_fixed_costs(results["fixed_costs"])
     for fam in results["families"]:
         k, label = fam["k"], fam.get("label", f"k{fam['k']}")
         lines += [f"## {label}: K = {k} experts ({fam['input_bytes'] / 2**30:.2f} GiB of inputs)", "",
@@ -329,6 +331,18 @@ def render(results: dict, folder: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_fixed_costs(fc: dict) -> list[str]:
+    if "tiny_merge" not in fc:  # results from before the in-process mode
+        return ["## Fixed costs", "", f"- a tiny merge against a running Prefect server: {fc['tiny_merge_seconds']:.2f} s "
+                f"(flow {fc['tiny_merge_flow_seconds']:.2f} s); with Prefect's temporary server: "
+                f"{fc['tiny_merge_ephemeral_server_seconds']:.2f} s", ""]
+    lines = ["## Fixed costs", ""]
+    lines += [f"- `import {m}`: {s:.2f} s" for m, s in fc["import_seconds"].items()]
+    lines += ["", "A tiny merge (one 1-layer expert) as a fresh process:", "", "| how flows run | process s | flow s |", "|---|---|---|"]
+    lines += [f"| {how} | {r['seconds']:.2f} | {r['flow_seconds']:.2f} |" for how, r in fc["tiny_merge"].items()]
+    return lines + [""]
+
+
 def machine() -> str:
     import platform
 
@@ -353,6 +367,7 @@ def main() -> None:
     ap.add_argument("--mergekit-runs", type=int, default=1)
     ap.add_argument("--scratch", default=None, help="Folder for outputs and catalogs (default: the temp dir).")
     ap.add_argument("--render", action="store_true", help="only re-render results.json")
+    ap.add_argument("--fixed-costs-only", action="store_true", help="measure the fixed costs alone")
     args = ap.parse_args()
     if args.render:
         results = json.loads((args.results / "results.json").read_text())
@@ -370,7 +385,7 @@ def main() -> None:
         bench.start_server()
         results = {"family": args.family, "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
                    "fixed_costs": bench.fixed_costs(), "families": []}
-        for fam in families(args):
+        for fam in [] if args.fixed_costs_only else families(args):
             results["families"].append(bench.family(fam))
             (args.results / "results.json").write_text(json.dumps(results, indent=1, default=str))
         results["seconds"] = time.time() - t0

@@ -8,8 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-# Prefect's defaults are tuned for a running server; a CLI that starts its own ephemeral one on
-# a loaded 2-core machine needs a longer start-up timeout and quieter logs.
+# Prefect's defaults are tuned for a running server; a CLI that starts Prefect's temporary one
+# (MERGEPIPE_ORCHESTRATION=prefect with no API) on a loaded 2-core machine needs a longer
+# start-up timeout; and quieter logs.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -128,8 +129,9 @@ def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json
     def go() -> dict:
         _check_config(config)
         from .flows.index_family import index_family
+        from .flows.orchestration import run_flow
 
-        return index_family(config=str(config), catalog=str(catalog) if catalog else None)
+        return run_flow(index_family, config=str(config), catalog=str(catalog) if catalog else None)
 
     result = run_command(go)
     if as_json:
@@ -156,8 +158,10 @@ def plan(
         _budget_args(budget, max_error)
         _check_config(config)
         from .flows.merge import plan as plan_flow
+        from .flows.orchestration import run_flow
 
-        return plan_flow(config=str(config), budget=budget, max_error=max_error, catalog=str(catalog) if catalog else None)
+        return run_flow(plan_flow, config=str(config), budget=budget, max_error=max_error,
+                        catalog=str(catalog) if catalog else None)
 
     result = run_command(go)
     if as_json:
@@ -205,10 +209,11 @@ def merge(
         set_storage_options(spec.storage_options)
         check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
         from .flows.merge import merge as merge_flow
+        from .flows.orchestration import run_flow
 
-        return merge_flow(config=str(config), out=str(out), budget=budget, max_error=max_error,
-                          overwrite=overwrite, catalog=str(catalog) if catalog else None,
-                          runner=runner, dask_address=dask_address)
+        return run_flow(merge_flow, config=str(config), out=str(out), budget=budget, max_error=max_error,
+                        overwrite=overwrite, catalog=str(catalog) if catalog else None,
+                        runner=runner, dask_address=dask_address)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "merge")
@@ -243,12 +248,13 @@ def sweep(
         set_storage_options(spec.storage_options)
         for b in wanted:
             check_destination(join(out, budget_label(b)), overwrite, [spec.base_model, *spec.expert_uris])
+        from .flows.orchestration import run_flow
         from .flows.sweep import budget_sweep
         from .report import sweep_report
         from .storage.writer import write_file
 
-        rows = budget_sweep(config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
-                            catalog=str(catalog) if catalog else None)
+        rows = run_flow(budget_sweep, config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
+                        catalog=str(catalog) if catalog else None)
         folder = report or (Path("mergepipe-sweep") if is_remote(out) else Path(out))
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in sweep_report(rows, f"{spec.merge_method} budget sweep of {Path(str(config)).name}").items():
@@ -286,10 +292,11 @@ def replay(
         from .flows.runners import check_runner
 
         check_runner(runner, dask_address)
+        from .flows.orchestration import run_flow
         from .flows.replay import replay as replay_flow
 
-        return replay_flow(manifest=str(manifest), out=str(out), overwrite=overwrite,
-                           catalog=str(catalog) if catalog else None, runner=runner, dask_address=dask_address)
+        return run_flow(replay_flow, manifest=str(manifest), out=str(out), overwrite=overwrite,
+                        catalog=str(catalog) if catalog else None, runner=runner, dask_address=dask_address)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "replay")

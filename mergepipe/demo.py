@@ -11,6 +11,7 @@ from safetensors import safe_open
 
 from .flows.index_family import index_family
 from .flows.merge import merge, plan
+from .flows.orchestration import run_flow
 from .manifest import verify_output
 from .synthetic import make_family, write_config
 
@@ -49,16 +50,16 @@ def run_demo(out: Path, echo: Callable[[str], None] | None = None) -> dict:
     )
     catalog = str(out / "catalog.duckdb")
 
-    idx = index_family(config=str(config), catalog=catalog)
+    idx = run_flow(index_family, config=str(config), catalog=catalog)
     say(f"index: {len(idx['indexed_now'])} expert(s) indexed now, {len(idx['already_indexed'])} cached; "
         f"read {idx['bytes']['expert'] / 2**20:.2f} MiB of experts")
-    p = plan(config=str(config), budget="25%", catalog=catalog)
+    p = run_flow(plan, config=str(config), budget="25%", catalog=catalog)
     say(f"plan at 25%: {p['expert_bytes_planned'] / 2**20:.2f} of {p['full_expert_bytes'] / 2**20:.2f} MiB, "
         f"{p['pairs']} (expert, block) pairs, error bound {p['error_bound']:.4g}")
 
     results = {}
     for label, budget in (("full", "100%"), ("25pct", "25%")):
-        r = merge(config=str(config), out=str(out / f"merged-{label}"), budget=budget, overwrite=True, catalog=catalog)
+        r = run_flow(merge, config=str(config), out=str(out / f"merged-{label}"), budget=budget, overwrite=True, catalog=catalog)
         v = verify_output(r["out"])
         results[label] = {**r, "verified": v.ok}
         say(f"merge at {budget}: read {r['expert_bytes_read'] / 2**20:.2f} MiB of experts "

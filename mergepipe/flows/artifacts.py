@@ -1,6 +1,7 @@
 """Prefect artifacts of a run: the plan's explain table and the manifest summary.
 
-They show in the Prefect UI next to the run and can be read back from the API. They hold
+They show in the Prefect UI next to the run and can be read back from the API (a flow run in
+process, with no API, publishes none). They hold
 locations, digests and byte counts, never storage options."""
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from ..storage.location import is_remote
+from .orchestration import publish_artifact
 
 PLAN_KEY = "merge-plan"
 SUMMARY_KEY = "merge-summary"
@@ -30,7 +32,8 @@ def plan_artifact(plan: dict) -> None:
         }
         for r in plan["explain"]
     ]
-    create_table_artifact(
+    publish_artifact(
+        create_table_artifact,
         key=PLAN_KEY,
         table=rows,
         description=(
@@ -61,4 +64,4 @@ def summary_artifact(result: dict) -> None:
         f"| error bound | {result['error_bound']:.6g}{'' if result['bound_guaranteed'] else ' (heuristic)'} |",
         f"| wall time | {result['wall_seconds']:.1f} s |",
     ]
-    create_markdown_artifact(key=SUMMARY_KEY, markdown="\n".join(lines), description=f"{result['kind']} {result['digest'][:16]}")
+    publish_artifact(create_markdown_artifact, key=SUMMARY_KEY, markdown="\n".join(lines), description=f"{result['kind']} {result['digest'][:16]}")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import as_completed as futures_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,9 +25,10 @@ from ..storage.location import join, set_storage_options
 from ..storage.ledger import ByteLedger
 from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
 from ..tasks.merge_tasks import (
-    finish_output, group_is_intact, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
+    finish_output, finished_group, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
 )
 from .artifacts import summary_artifact
+from .orchestration import call_with_retries, in_process, run_task
 from .runners import describe, layer_task_runner
 
 
@@ -58,13 +61,13 @@ def load_config(config: str) -> MergeSpec:
 def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
     t0 = time.perf_counter()
     ledger = ByteLedger()
-    family, rows = read_family_headers(spec.base_model, spec.expert_uris)
+    family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
     ledger.merge(rows)
     # Parameters that depend on tensor names (filters, gradients) are checked now, before any
     # statistics pass, so a config that cannot merge fails fast.
     resolve_tensor_params(spec, family.base.tensors)
     bs = spec.block_size_bytes
-    known, content = look_up_family(family, bs, catalog)
+    known, content = run_task(look_up_family, family, bs, catalog)
     # An expert needs its pass unless its statistics and content digest are both known; each
     # distinct file set is read once even if the config lists it twice.
     missing, seen = [], set()
@@ -73,14 +76,18 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
             missing.append(i)
             seen.add(fp)
     if missing or family.base_fp not in content:
-        state = compute_block_stats.with_options(result_storage=results_dir())(family, missing, bs, return_state=True)
-        result, rows = state.result()
-        if state.name != "Cached":  # a cached pass read nothing now
+        if in_process():
+            result, rows = call_with_retries(compute_block_stats, family, missing, bs)
             ledger.merge(rows)
+        else:
+            state = compute_block_stats.with_options(result_storage=results_dir())(family, missing, bs, return_state=True)
+            result, rows = state.result()
+            if state.name != "Cached":  # a cached pass read nothing now
+                ledger.merge(rows)
         problem = None if spec.allow_nonfinite else first_nonfinite(result, family)
         if problem:  # refused before ingestion: bad input leaves the catalog as it was
             raise BadInput(problem)
-        ingest_block_stats(family, missing, bs, result, catalog)
+        run_task(ingest_block_stats, family, missing, bs, result, catalog)
         content = {**content, **result.content}
     return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0)
 
@@ -94,26 +101,53 @@ def flow_run_id() -> str | None:
         return None
 
 
-def _collect(
-    futures: dict, ledger: ByteLedger, resumed: ByteLedger, resumed_groups: list[str], workers: dict, rep
-) -> None:
-    """Wait for every group; a group taken from the cache counts as resumed, not as read."""
-    try:
-        for fut in as_completed(list(futures)):
-            result = fut.result()
-            rows = result["rows"]
-            workers[futures[fut]] = result["worker"]
-            if fut.state.name == "Cached":
-                resumed.merge(rows)
-                resumed_groups.append(futures[fut])
-            else:
-                ledger.merge(rows)
-            rep.advance("merge", 1)
-            rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
-    finally:
-        wait(list(futures))  # on failure, let running groups stop writing before staging goes
-        rep.finish("read")
-        rep.finish("merge")
+class _GroupResults:
+    """What the layer groups read, wrote and resumed, and who wrote them, as they finish."""
+
+    def __init__(self, rep) -> None:
+        self.ledger = ByteLedger()  # what this run read and wrote
+        self.resumed = ByteLedger()  # what the runs before it read for the groups it found finished
+        self.resumed_groups: list[str] = []
+        self.workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
+        self.rep = rep
+
+    def add(self, group: str, result: dict, resumed: bool) -> None:
+        rows = result["rows"]
+        self.workers[group] = result["worker"]
+        if resumed:
+            self.resumed.merge(rows)
+            self.resumed_groups.append(group)
+        else:
+            self.ledger.merge(rows)
+        self.rep.advance("merge", 1)
+        self.rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
+
+
+def _run_groups_with_prefect(plan_dir, groups, staging, options_from, runner, dask_address, results) -> None:
+    """One Prefect task per group, on the flow's threads or on Dask."""
+    with layer_task_runner(runner, dask_address, worker_count()) as pool:
+        futures = {}
+        for g in groups:
+            params = {"plan_dir": plan_dir, "group": g, "staging": staging, "options_from": options_from}
+            futures[pool.submit(merge_layer_group, parameters=params) if pool else merge_layer_group.submit(**params)] = g
+        try:
+            for fut in as_completed(list(futures)):
+                results.add(futures[fut], fut.result(), False)
+        finally:
+            wait(list(futures))  # on failure, let running groups stop writing before staging goes
+
+
+def _run_groups_in_process(plan_dir, groups, staging, results) -> None:
+    """The groups' plain functions on a thread pool."""
+    with ThreadPoolExecutor(worker_count()) as pool:
+        futures = {pool.submit(call_with_retries, merge_layer_group, plan_dir, g, staging): g for g in groups}
+        try:
+            for fut in futures_completed(futures):
+                results.add(futures[fut], fut.result(), False)
+        except BaseException:
+            for fut in futures:  # groups not started stay so; running ones finish writing first
+                fut.cancel()
+            raise
 
 
 def execute_plan(
@@ -138,29 +172,35 @@ def execute_plan(
     The execution ledger is kept apart from the index ledger (headers, and statistics of
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     _, layout = load_plan(plan_dir)
-    ledger = ByteLedger()  # what this run read and wrote
-    resumed = ByteLedger()  # what the runs before it read for the groups it found finished
-    resumed_groups: list[str] = []
-    workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
-    staging = stage_output(plan_dir, out)
+    staging = run_task(stage_output, plan_dir, out)
     rep = progress.reporter()
+    results = _GroupResults(rep)
+    ledger, resumed, resumed_groups, workers = results.ledger, results.resumed, results.resumed_groups, results.workers
     try:
         t_merge = time.perf_counter()
         groups = list(layout.groups)
         rep.start("merge", len(groups), "groups")
         rep.start("read", plan.base_tensor_bytes + plan.expert_bytes_planned, "B")
-        task = merge_layer_group.with_options(result_storage=results_dir())
-        with layer_task_runner(runner, dask_address, worker_count()) as pool:
-            futures = {}
+        try:
+            # Resume: a group an earlier run of this plan finished (a crash left its staging
+            # folder) is taken over while its mark and staged bytes are intact.
+            todo = []
             for g in groups:
-                # A cached result is used only while the staged bytes it describes are intact.
-                t = task.with_options(refresh_cache=not group_is_intact(plan_dir, g, staging))
-                params = {"plan_dir": plan_dir, "group": g, "staging": staging, "options_from": options_from}
-                futures[pool.submit(t, parameters=params) if pool else t.submit(**params)] = g
-            _collect(futures, ledger, resumed, resumed_groups, workers, rep)
+                done = finished_group(plan_dir, g, staging)
+                if done is not None:
+                    results.add(g, done, True)
+                else:
+                    todo.append(g)
+            if in_process():
+                _run_groups_in_process(plan_dir, todo, staging, results)
+            else:
+                _run_groups_with_prefect(plan_dir, todo, staging, options_from, runner, dask_address, results)
+        finally:
+            rep.finish("read")
+            rep.finish("merge")
         timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
-        output, rows = finish_output(plan_dir, staging)
+        output, rows = run_task(finish_output, plan_dir, staging)
         ledger.merge(rows)
         timings["finish"] = time.perf_counter() - t_finish
         expert_read = ledger.total("expert")
@@ -188,13 +228,14 @@ def execute_plan(
             "workers": dict(sorted(workers.items())),
             "timings": timings,
         }
-        manifest, rows = publish_output(plan_dir, staging, out, overwrite, output, run, expected_digest)
+        manifest, rows = run_task(publish_output, plan_dir, staging, out, overwrite, output, run, expected_digest)
         ledger.merge(rows)
     except BaseException:
         writer.discard(Path(staging))
         raise
     manifest_json = json.dumps(manifest, sort_keys=True)
-    record_run(
+    run_task(
+        record_run,
         catalog,
         {
             "run_id": flow_run_id() or f"{plan.plan_digest[:12]}-{started_at}",

@@ -12,6 +12,7 @@ from ..storage.writer import check_destination
 from ..tasks.plan_tasks import plan_merge
 from .artifacts import plan_artifact
 from .common import execute_plan, load_config, now, run_index, worker_count
+from .orchestration import run_task
 from .runners import check_runner
 
 
@@ -39,7 +40,7 @@ def spec_with_overrides(config: str, budget: str | None, max_error: float | None
 def plan(config: str, budget: str | None = None, max_error: float | None = None, catalog: str | None = None) -> dict:
     spec = spec_with_overrides(config, budget, max_error)
     outcome = run_index(spec, catalog)
-    p, explain, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    p, explain, plan_dir = run_task(plan_merge, spec, outcome.family, outcome.content, catalog)
     result = plan_result(p, spec, explain, plan_dir)
     plan_artifact(result)
     return result
@@ -84,7 +85,7 @@ def merge(
     out_path = check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
     outcome = run_index(spec, catalog)
     t_plan = time.perf_counter()
-    p, explain, plan_dir = plan_merge(spec, outcome.family, outcome.content, catalog)
+    p, explain, plan_dir = run_task(plan_merge, spec, outcome.family, outcome.content, catalog)
     plan_artifact(plan_result(p, spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
     return execute_plan(

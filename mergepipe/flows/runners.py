@@ -2,7 +2,7 @@
 
 Dask workers read their inputs straight from storage and write their group's bytes at its
 place in the staging folder, so the output is the same whichever worker ran which group.
-They need what the flow's process has: MERGEPIPE_HOME (saved plans, the result cache) and the
+They need what the flow's process has: MERGEPIPE_HOME (saved plans) and the
 staging folder at the same paths, and credentials for the inputs in their environment or in
 the config's storage_options."""
 

@@ -11,6 +11,7 @@ from ..storage.location import join
 from ..tasks.report_tasks import measure_deviation
 from .common import load_config
 from .merge import merge
+from .orchestration import publish_artifact, run_flow, run_task
 
 SWEEP_KEY = "budget-sweep"
 
@@ -37,8 +38,8 @@ def budget_sweep(
         budgets.append("100%")
     rows = []
     for budget in budgets:
-        r = merge(config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite, catalog=catalog,
-                  runner=runner, dask_address=dask_address)
+        r = run_flow(merge, config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite,
+                     catalog=catalog, runner=runner, dask_address=dask_address)
         rows.append(
             {
                 "budget": budget,
@@ -56,6 +57,6 @@ def budget_sweep(
     full = next(row for row, b in zip(rows, budgets) if parse_budget(b).is_full)
     base = load_config(config).base_model
     for row in rows:
-        row.update(measure_deviation(row["out"], full["out"], base))
-    create_table_artifact(key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")
+        row.update(run_task(measure_deviation, row["out"], full["out"], base))
+    publish_artifact(create_table_artifact, key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")
     return rows

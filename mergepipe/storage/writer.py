@@ -9,6 +9,7 @@ prefix without one is not a published merge, whatever else it holds."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import secrets
@@ -131,29 +132,36 @@ def _shard_in_place(path: Path, header: bytes, size: int) -> bool:
 GROUPS_DIR = ".mergepipe-groups"  # in staging: which layer groups are written, and their hashes
 
 
-def mark_group_done(staging: Path, group: str, sha256: str) -> None:
+def mark_group_done(staging: Path, group: str, record: dict) -> None:
+    """Mark a group finished with its record: the SHA-256 of the bytes it wrote ("sha256") and
+    whatever else a resumed run needs to account for it (JSON)."""
     folder = staging / GROUPS_DIR
     folder.mkdir(exist_ok=True)
     tmp = folder / f"{group}.tmp"
-    write_file(tmp, sha256.encode())
+    write_file(tmp, json.dumps(record, sort_keys=True).encode())
     os.replace(tmp, folder / group)
 
 
-def group_intact(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> bool:
-    """Whether a group marked done still has exactly the bytes it wrote (the marker's hash)."""
+def group_record(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> dict | None:
+    """The record of a group marked done whose bytes are still exactly those it wrote; else None."""
     try:
-        recorded = (staging / GROUPS_DIR / group).read_text()
+        record = json.loads((staging / GROUPS_DIR / group).read_text())
         h = hashlib.sha256()
         for shard, start, end in regions:
             with open(staging / shard, "rb") as f:
                 f.seek(start)
                 data = f.read(end - start)
             if len(data) != end - start:
-                return False
+                return None
             h.update(data)
-    except OSError:
-        return False
-    return h.hexdigest() == recorded
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and h.hexdigest() == record.get("sha256") else None
+
+
+def group_intact(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> bool:
+    """Whether a group marked done still has exactly the bytes it wrote (the marker's hash)."""
+    return group_record(staging, group, regions) is not None
 
 
 def clear_group_marks(staging: Path) -> None:

@@ -13,7 +13,6 @@ from prefect.cache_policies import NO_CACHE
 from ..catalog import db, records
 from .. import progress
 from ..errors import BadInput, MergepipeError
-from ..canonical import digest_of
 from ..execution import changed_inputs, group_regions, merge_group, output_layout_of
 from ..home import home
 from ..manifest import build_manifest, write_manifest, write_output_files
@@ -43,36 +42,31 @@ def stage_output(plan_dir: str, out: str) -> str:
 
 
 def results_dir() -> Path:
-    """Where merge-group results are persisted: the cache that lets a re-run skip finished groups."""
+    """Where task results are persisted (the statistics pass's cache)."""
     return home() / "results"
 
 
-def group_cache_key(context, parameters: dict) -> str:
-    """(plan digest, layer group), and the staging folder the group's bytes went to."""
-    plan, _ = load_plan(parameters["plan_dir"])
-    return "merge-group-" + digest_of([plan.plan_digest, parameters["group"], parameters["staging"]])[:40]
-
-
-@task(name="merge-layer-group", cache_key_fn=group_cache_key, persist_result=True, result_serializer="json",
-      **STORAGE_RETRIES)
+@task(name="merge-layer-group", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str | None = None) -> dict:
-    """Merge one group of tensors into the staged output and mark it done. Returns the ledger
-    rows and the hash of the bytes written. Cached: submit it with refresh_cache unless
-    `group_is_intact` (a cached result is only as good as the staged bytes it describes).
+    """Merge one group of tensors into the staged output and mark it done with its result: the
+    ledger rows, the hash of the bytes written and the worker. A run resumed after a crash takes
+    the result from the mark (`finished_group`) instead of running the group again.
 
     `options_from`: the config whose storage_options this process needs (a Dask worker has
     not loaded it); its path travels, never the options."""
     if options_from is not None and not storage_options_set():
         set_storage_options(load_spec(options_from).storage_options)
     plan, layout = load_plan(plan_dir)
-    result = merge_group(plan, layout, group, Path(staging))
-    writer.mark_group_done(Path(staging), group, result["sha256"])
-    return {**result, "worker": f"{socket.gethostname()}:{os.getpid()}"}
+    result = {**merge_group(plan, layout, group, Path(staging)), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+    writer.mark_group_done(Path(staging), group, result)
+    return result
 
 
-def group_is_intact(plan_dir: str, group: str, staging: str) -> bool:
+def finished_group(plan_dir: str, group: str, staging: str) -> dict | None:
+    """What merge_layer_group returned for a group an earlier run finished, if its mark is there
+    and its staged bytes are still exactly those it wrote; else None."""
     _, layout = load_plan(plan_dir)
-    return writer.group_intact(Path(staging), group, group_regions(layout, group))
+    return writer.group_record(Path(staging), group, group_regions(layout, group))
 
 
 @task(name="write-output-files", cache_policy=NO_CACHE, **STORAGE_RETRIES)
