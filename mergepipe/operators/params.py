@@ -17,8 +17,9 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], math.prod(t.shape[1:]))
 
 
-# An expert's planned rows: ((row_start, row_end), fp32 values of those rows of the tensor's 2-D
-# view); every other row equals the base's.
+# An expert's planned rows: ((row_start, row_end), the values of those rows of the tensor's 2-D
+# view as stored, converted for arithmetic by LazyExperts.to_compute); every other row equals
+# the base's.
 ExpertRows = list[tuple[tuple[int, int], torch.Tensor]]
 
 
