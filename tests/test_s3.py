@@ -379,8 +379,10 @@ def test_credentials_never_leak(s3, families, tmp_path):
         storage_options={"key": key_id, "secret": secret, "endpoint_url": s3.endpoint,
                          "client_kwargs": {"region_name": "us-east-1"}},
     )
+    # As Prefect flow runs (Prefect's temporary server, its database under tmp_path), so that
+    # database and Prefect's logs are searched too; an in-process run has neither.
     env = _cli_env(tmp_path, PREFECT_LOGGING_LEVEL="DEBUG", PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="DEBUG",
-                   MERGEPIPE_DEBUG="1")
+                   MERGEPIPE_DEBUG="1", MERGEPIPE_ORCHESTRATION="prefect")
     cat = tmp_path / "cat.duckdb"
     out = f"s3://{BUCKET}/out/secret"
     run = subprocess.run(
