@@ -159,11 +159,6 @@ def group_record(staging: Path, group: str, regions: list[tuple[str, int, int]])
     return record if isinstance(record, dict) and h.hexdigest() == record.get("sha256") else None
 
 
-def group_intact(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> bool:
-    """Whether a group marked done still has exactly the bytes it wrote (the marker's hash)."""
-    return group_record(staging, group, regions) is not None
-
-
 def clear_group_marks(staging: Path) -> None:
     shutil.rmtree(staging / GROUPS_DIR, ignore_errors=True)
 
