@@ -6,7 +6,8 @@ from __future__ import annotations
 import hashlib
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, NamedTuple
 from pathlib import Path
 
 import pyarrow as pa
@@ -23,6 +24,11 @@ from .storage.location import is_remote, join
 from .storage.reader import RangeReader, ReadRequest, stat
 from .storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
 from .storage.writer import write_at
+
+# How many tensors ahead of the merge the kernel is asked to read (the first of them is the
+# one being merged). Bounded so that prefetched pages are used before memory pressure could
+# evict them.
+PREFETCH_TENSORS = 2
 
 
 def output_layout_of(plan: Plan) -> OutputLayout:
@@ -41,6 +47,19 @@ def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor
     if compute_dtype is not None and t.dtype != compute_dtype:
         t = t.to(compute_dtype)
     return t.to(torch.float32)
+
+
+class TensorReads(NamedTuple):
+    """What one tensor's merge reads: the base tensor, and each expert's planned runs of rows
+    with the request that reads them."""
+
+    name: str
+    base: ReadRequest
+    runs: dict[int, list[tuple[int, int]]]
+    experts: dict[int, ReadRequest]
+
+    def all_requests(self) -> list[ReadRequest]:
+        return [self.base, *self.experts.values()]
 
 
 class GroupMerger:
@@ -70,36 +89,53 @@ class GroupMerger:
         access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
         for e, t, b, r0, r1 in zip(*(access[c].to_pylist() for c in ("expert", "tensor", "block", "row_start", "row_end"))):
             wanted[(e, t)].append((b, r0, r1))
-        try:
-            for name in names:
-                self._merge_tensor(name, wanted)
-        finally:
-            self.reader.close()
+        reads = [self._tensor_reads(name, wanted) for name in names]
+        # The kernel reads the next tensor's ranges while this one merges: one thread asks for
+        # them (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors ahead.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
+            try:
+                for r in reads[:PREFETCH_TENSORS]:
+                    prefetch.submit(self.reader.prefetch, r.all_requests())
+                for i, r in enumerate(reads):
+                    if i + PREFETCH_TENSORS < len(reads):
+                        prefetch.submit(self.reader.prefetch, reads[i + PREFETCH_TENSORS].all_requests())
+                    self._merge_tensor(r)
+            finally:
+                prefetch.shutdown(wait=True, cancel_futures=True)
+                self.reader.close()
         return len(names)
 
-    def _merge_tensor(self, name: str, wanted: dict) -> None:
-        """Read the base tensor, then each expert's planned rows, and merge.
-
-        Expert rows are read when the operator reaches that expert, so a group holds one
-        expert's bytes at a time. They are read up front, in one concurrent batch, when the
-        inputs are in an object store (where latency, not memory, is the cost) or when the
-        operator walks the experts twice (TIES-style elections), so no byte is read twice."""
+    def _tensor_reads(self, name: str, wanted: dict) -> TensorReads:
+        """The ranges one tensor needs: the whole base tensor and, for a float tensor, each
+        expert's planned blocks, coalesced into runs of rows."""
         file, dtype, shape, start = self.plan.inputs[0].tensors[name]
         shape = tuple(shape)
         dt = DTYPES[dtype]
-        out = self.layout.tensors[name]
-        out_path = self.staging / out.shard
-        base_request = ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)
+        base = ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)
         runs: dict[int, list[tuple[int, int]]] = {}
         if dt.is_float:
             for k in range(len(self.plan.inputs) - 1):
                 blocks = wanted.get((k, name))
                 if blocks:  # nothing planned: a zero delta, nothing read
                     runs[k] = coalesce(sorted((r0, r1) for _, r0, r1 in blocks))
-        requests = {k: self._expert_request(k, name, r) for k, r in runs.items()}
+        return TensorReads(name, base, runs, {k: self._expert_request(k, name, r) for k, r in runs.items()})
+
+    def _merge_tensor(self, reads: TensorReads) -> None:
+        """Read the base tensor, then each expert's planned rows, and merge.
+
+        Expert rows are read when the operator reaches that expert, so a group holds one
+        expert's bytes at a time. They are read up front, in one concurrent batch, when the
+        inputs are in an object store (where latency, not memory, is the cost) or when the
+        operator walks the experts twice (TIES-style elections), so no byte is read twice."""
+        name, runs, requests = reads.name, reads.runs, reads.experts
+        _, dtype, shape, _ = self.plan.inputs[0].tensors[name]
+        shape = tuple(shape)
+        dt = DTYPES[dtype]
+        out = self.layout.tensors[name]
+        out_path = self.staging / out.shard
         up_front = self.op.expert_passes > 1 or any(is_remote(r.path) for r in requests.values())
         order = list(requests) if up_front else []
-        (raw,), *expert_raws = self.reader.read_batch([base_request] + [requests[k] for k in order])
+        (raw,), *expert_raws = self.reader.read_batch([reads.base] + [requests[k] for k in order])
         if not dt.is_float:
             self.written.update(raw)
             write_at(out_path, out.start, raw, self.ledger)

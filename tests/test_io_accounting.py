@@ -103,6 +103,29 @@ def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
     assert resident < 0.5 * size
 
 
+@pytest.mark.skipif(shutil.which("fincore") is None, reason="fincore (util-linux) is not installed")
+def test_prefetch_reads_exactly_the_asked_pages(tmp_path):
+    """The merge asks the kernel to read the next tensor's ranges ahead (POSIX_FADV_WILLNEED):
+    it must bring in those pages and nothing around them, and count nothing in the ledger."""
+    import time
+
+    from mergepipe.storage.reader import RangeReader, ReadRequest
+
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(256 * PAGE))
+    _evict(path)
+    if _resident_bytes(path):
+        pytest.skip("this filesystem does not evict pages on request (tmpfs?)")
+    ranges = [(10 * PAGE + 100, 14 * PAGE), (100 * PAGE, 100 * PAGE + 1)]  # pages 10-13, then 100
+    with RangeReader() as reader:
+        reader.prefetch([ReadRequest(str(path), ranges, "expert", "expert-0", "data.bin")])
+        assert reader.ledger.rows() == []
+    deadline = time.monotonic() + 10
+    while _resident_bytes(path) < 5 * PAGE and time.monotonic() < deadline:
+        time.sleep(0.05)  # the kernel reads them in the background
+    assert _resident_bytes(path) == 5 * PAGE
+
+
 def test_progress_reports_layer_groups_and_bytes_read(bf16_family, tmp_path, session_catalog):
     from mergepipe import progress
 
