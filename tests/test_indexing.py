@@ -166,3 +166,36 @@ def test_merge_never_plans_on_stale_statistics(tmp_path):
     fresh = merge(config=str(cfg), out=str(tmp_path / "fresh"), catalog=str(tmp_path / "fresh.duckdb"))
     assert second["digest"] == fresh["digest"] != first["digest"]
     assert second["plan_digest"] == fresh["plan_digest"]
+
+
+def test_block_statistics_match_an_independent_computation(bf16_family, tmp_path):
+    """Every block's statistics, recomputed from whole tensors loaded with safetensors: the delta's
+    energy in fp64, its largest magnitude, how many elements differ, and XXH3-128 of the bytes."""
+    import numpy as np
+    import xxhash
+
+    catalog = str(tmp_path / "cat.duckdb")
+    index_family(config=str(write_config(tmp_path / "c.yaml", bf16_family)), catalog=catalog)
+    con = duckdb.connect(catalog, read_only=True)
+    rows = con.execute(
+        "SELECT m.uri, s.tensor, b.row_start, b.row_end, s.bytes, s.delta_sq, s.max_abs_delta, s.nnz_delta, s.content_hash "
+        "FROM block_stats s JOIN blocks b USING (base_fp, block_size, tensor, block) JOIN models m ON m.model_fp = s.expert_fp"
+    ).fetchall()
+    con.close()
+    base = load_model(bf16_family.base)
+    experts = {str(e): load_model(e) for e in bf16_family.experts}
+    assert {r[0] for r in rows} == set(experts)
+    floats = [t for m in experts.values() for t in m.values() if t.is_floating_point()]
+    assert sum(r[4] for r in rows) == sum(t.numel() * t.element_size() for t in floats)
+    for uri, tensor, r0, r1, nbytes, delta_sq, max_abs, nnz, content_hash in rows:
+        x, b = experts[uri][tensor], base[tensor]
+        if x.dim():
+            x, b = x[r0:r1], b[r0:r1]
+        raw = x.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        d = x.double().numpy().ravel() - b.double().numpy().ravel()
+        bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+        assert nbytes == len(raw), (uri, tensor, r0)
+        assert content_hash == xxhash.xxh3_128_hexdigest(raw), (uri, tensor, r0)
+        assert delta_sq == pytest.approx(float(np.sum(d * d)), rel=1e-12, abs=0), (uri, tensor, r0)
+        assert max_abs == float(np.abs(d).max()), (uri, tensor, r0)
+        assert nnz == int((x.reshape(-1).view(bits) != b.reshape(-1).view(bits)).sum()), (uri, tensor, r0)
