@@ -67,8 +67,8 @@ OPERATOR_PARAMETERS = {
 class Family:
     """One family size: a folder with base/ and one folder per expert."""
 
-    def __init__(self, label: str, folder: Path, experts: list[str], variant: str | None = None) -> None:
-        self.label, self.folder, self.experts, self.variant = label, folder, experts, variant
+    def __init__(self, label: str, folder: Path, experts: list[str], variant: str | None = None, rank_by: str = "delta") -> None:
+        self.label, self.folder, self.experts, self.variant, self.rank_by = label, folder, experts, variant, rank_by
 
     @property
     def k(self) -> int:
@@ -83,7 +83,11 @@ class Family:
         }
         if shared:
             doc["parameters"] = shared
-        path = self.folder / "configs" / f"{self.label}-{op}.yaml"
+        suffix = ""
+        if self.rank_by != "delta":
+            doc["rank_by"] = self.rank_by
+            suffix = f"-{self.rank_by}"
+        path = self.folder / "configs" / f"{self.label}-{op}{suffix}.yaml"
         path.parent.mkdir(exist_ok=True)
         path.write_text(yaml.safe_dump(doc, sort_keys=False))
         return path
@@ -94,8 +98,8 @@ class Family:
 
 def families(args: argparse.Namespace) -> list[Family]:
     if args.family == "llm":
-        return [Family(f"k{k}", args.data, [f"expert-{i}" for i in range(k)]) for k in map(int, args.k.split(","))]
-    return [Family(v, args.data / v, list(DOMAINS), variant=v) for v in args.variants.split(",")]
+        return [Family(f"k{k}", args.data, [f"expert-{i}" for i in range(k)], rank_by=args.rank_by) for k in map(int, args.k.split(","))]
+    return [Family(v, args.data / v, list(DOMAINS), variant=v, rank_by=args.rank_by) for v in args.variants.split(",")]
 
 
 DOMAINS = ("code", "docs", "legal", "arith")
@@ -298,6 +302,9 @@ COLUMNS = [
 
 def render(results: dict, folder: Path) -> str:
     lines = [f"# Benchmark: {results['family']}", "", f"Machine: {results['machine']}", ""]
+    rank_by = results["args"].get("rank_by", "delta")
+    if rank_by != "delta":
+        lines += [f"Plans ranked with `rank_by: {rank_by}` (the configs set it).", ""]
     lines += render_fixed_costs(results["fixed_costs"])
     for fam in results["families"]:
         k, label = fam["k"], fam.get("label", f"k{fam['k']}")
@@ -362,6 +369,8 @@ def main() -> None:
     ap.add_argument("--variants", default="tied,untied", help="minilm: decoder variants")
     ap.add_argument("--operators", default="task_arithmetic,ties,dare_ties")
     ap.add_argument("--budgets", default="5,10,25,50,100")
+    ap.add_argument("--rank-by", default="delta", choices=["delta", "delta_over_sqrt_base"],
+                    help="the configs' rank_by: how the planner values a block")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mergekit", default=None, help="mergekit-yaml to compare with, or 'none'")
     ap.add_argument("--mergekit-runs", type=int, default=1)

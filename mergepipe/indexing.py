@@ -3,7 +3,8 @@
 Per (expert, block): bytes, delta_sq = sum((x - b)^2) in fp64, max |delta|, the number of
 elements that differ (as values, or as signed zeros), and the block's content hash (XXH3-128:
 it identifies a block's bytes, it guards nothing, and a cryptographic hash here cost more than
-the statistics). The same pass hashes every tensor with SHA-256, which gives each model a
+the statistics). Per base block: its energy sum(b^2), for plans that rank a delta against the
+weights it changes. The same pass hashes every tensor with SHA-256, which gives each model a
 content digest that does not depend on where the files live or on the block size.
 """
 
@@ -31,6 +32,9 @@ from .storage.model_files import ModelFiles
 from .storage.reader import RangeReader, ReadRequest
 from .storage.safetensors_format import DTYPES, decode
 
+# Changes when the pass's result changes shape (2: base block energies), so cached results of
+# an earlier release are not reused.
+STATS_FORMAT = 2
 STATS_SCHEMA = pa.schema(
     [
         ("expert_fp", pa.string()),
@@ -51,6 +55,7 @@ BLOCKS_SCHEMA = pa.schema(
         ("row_start", pa.int64()),
         ("row_end", pa.int64()),
         ("base_bytes", pa.int64()),
+        ("base_sq", pa.float64()),  # sum(b^2) in fp64: the base block's energy (rank_by: delta_over_sqrt_base)
     ]
 )
 
@@ -191,8 +196,10 @@ def compute_stats(
             bases = []
             for b, block, raw in zip(run, rows, base_raws):
                 base_t = _decode_block(family.base, name, block, raw)
-                bases.append((base_t, base_t.double().numpy().reshape(-1)))
-                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw))):
+                base64 = base_t.double().numpy().reshape(-1)
+                bases.append((base_t, base64))
+                base_sq = float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
+                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)):
                     layout[col].append(value)
             futures = [
                 pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])

@@ -67,6 +67,7 @@ def test_catalog_sql_is_read_only(bf16_family, tmp_path, session_catalog):
         (lambda c: c + "budgett: 10%\n", "budgett"),
         (lambda c: c.replace("weight: 0.5", "weight: 0.5\n    density: 0"), "density"),
         (lambda c: c + "block_size: huge\n", "block_size"),
+        (lambda c: c + "rank_by: base\n", "rank_by"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(mutate, expect, bf16_family, tmp_path):

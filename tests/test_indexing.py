@@ -6,6 +6,7 @@ import json
 import os
 
 import duckdb
+import numpy as np
 import pytest
 import torch
 
@@ -98,7 +99,7 @@ def test_schema_1_catalog_is_upgraded_in_place(tmp_path):
     con.execute("INSERT INTO model_files VALUES ('fp', 'model.safetensors', 10, 1, 2, 3, 4)")
     con.close()
     with db.connect(path) as con:
-        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("2",)]
+        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("3",)]
         con.execute("INSERT INTO model_files (model_fp, file, size, header_bytes, etag) VALUES ('fp2', 'a', 1, 1, 'e')")
         rows = con.execute("SELECT model_fp, mtime_ns, etag FROM model_files ORDER BY model_fp").fetchall()
     assert rows == [("fp", 1, None), ("fp2", None, "e")]
@@ -170,8 +171,8 @@ def test_merge_never_plans_on_stale_statistics(tmp_path):
 
 def test_block_statistics_match_an_independent_computation(bf16_family, tmp_path):
     """Every block's statistics, recomputed from whole tensors loaded with safetensors: the delta's
-    energy in fp64, its largest magnitude, how many elements differ, and XXH3-128 of the bytes."""
-    import numpy as np
+    energy in fp64, its largest magnitude, how many elements differ, and XXH3-128 of the bytes;
+    and the base block's energy."""
     import xxhash
 
     catalog = str(tmp_path / "cat.duckdb")
@@ -181,9 +182,14 @@ def test_block_statistics_match_an_independent_computation(bf16_family, tmp_path
         "SELECT m.uri, s.tensor, b.row_start, b.row_end, s.bytes, s.delta_sq, s.max_abs_delta, s.nnz_delta, s.content_hash "
         "FROM block_stats s JOIN blocks b USING (base_fp, block_size, tensor, block) JOIN models m ON m.model_fp = s.expert_fp"
     ).fetchall()
+    layout = con.execute("SELECT tensor, row_start, row_end, base_sq FROM blocks").fetchall()
     con.close()
     base = load_model(bf16_family.base)
     experts = {str(e): load_model(e) for e in bf16_family.experts}
+    assert len(layout) == len({(r[1], r[2]) for r in rows}) and all(r[3] is not None for r in layout)
+    for tensor, r0, r1, base_sq in layout:
+        b = base[tensor][r0:r1] if base[tensor].dim() else base[tensor]
+        assert base_sq == pytest.approx(float(np.sum(b.double().numpy() ** 2)), rel=1e-12, abs=0), (tensor, r0)
     assert {r[0] for r in rows} == set(experts)
     floats = [t for m in experts.values() for t in m.values() if t.is_floating_point()]
     assert sum(r[4] for r in rows) == sum(t.numel() * t.element_size() for t in floats)
@@ -199,3 +205,26 @@ def test_block_statistics_match_an_independent_computation(bf16_family, tmp_path
         assert delta_sq == pytest.approx(float(np.sum(d * d)), rel=1e-12, abs=0), (uri, tensor, r0)
         assert max_abs == float(np.abs(d).max()), (uri, tensor, r0)
         assert nnz == int((x.reshape(-1).view(bits) != b.reshape(-1).view(bits)).sum()), (uri, tensor, r0)
+
+
+def test_base_energies_missing_from_an_older_catalog_cost_one_base_read(tmp_path):
+    """A layout written before schema 3 has no base energies. Plans ranked on them fill them in
+    with one pass over the base (no expert byte); the default ranking never needs them."""
+    fam = tiny_family(tmp_path / "fam")
+    catalog = str(tmp_path / "cat.duckdb")
+    plain = write_config(tmp_path / "plain.yaml", fam, "task_arithmetic", block_size="4KiB")
+    ranked = write_config(tmp_path / "ranked.yaml", fam, "task_arithmetic", block_size="4KiB", rank_by="delta_over_sqrt_base")
+    index_family(config=str(plain), catalog=catalog)
+    con = duckdb.connect(catalog)
+    energies = con.execute("SELECT tensor, block, base_sq FROM blocks ORDER BY ALL").fetchall()
+    con.execute("UPDATE blocks SET base_sq = NULL")
+    con.close()
+    again = index_family(config=str(plain), catalog=catalog)
+    assert again["bytes"]["base"] == again["bytes"]["expert"] == 0
+    filled = index_family(config=str(ranked), catalog=catalog)
+    assert filled["indexed_now"] == [] and filled["bytes"]["expert"] == 0
+    assert filled["bytes"]["base"] == data_bytes(fam.base)
+    con = duckdb.connect(catalog, read_only=True)
+    assert con.execute("SELECT tensor, block, base_sq FROM blocks ORDER BY ALL").fetchall() == energies
+    con.close()
+    assert index_family(config=str(ranked), catalog=catalog)["bytes"]["base"] == 0

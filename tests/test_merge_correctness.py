@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pyarrow.parquet as pq
 import pytest
 import torch
@@ -75,6 +77,31 @@ def test_error_within_bound_and_bound_shrinks_with_budget(method, bf16_family, t
         bounds.append(r["error_bound"])
         measured.append(err)
     assert all(a > b for a, b in zip(bounds, bounds[1:])), bounds
+
+
+def test_ranking_against_the_base_chooses_other_blocks_within_the_bound(bf16_family, tmp_path, session_catalog):
+    """rank_by: delta_over_sqrt_base reads other blocks at 25%, within the same budget; its error
+    stays within the bound, which is computed on what it leaves out. At full budget it reads
+    every block, so the output's bytes are the default ranking's."""
+    kw = dict(out_dtype="float32")
+    plain = config_for(tmp_path, bf16_family, "task_arithmetic", **kw)
+    ranked = config_for(tmp_path, bf16_family, "task_arithmetic", name="ranked.yaml", rank_by="delta_over_sqrt_base", **kw)
+    runs = {}
+    for label, cfg in (("plain", plain), ("ranked", ranked)):
+        for pct in (25, 100):
+            out = tmp_path / f"{label}-{pct}"
+            runs[label, pct] = (merge(config=str(cfg), out=str(out), budget=f"{pct}%", catalog=session_catalog), out)
+    access = {k: {tuple(r.values()) for r in pq.read_table(out / "mergepipe-access.parquet", columns=["expert", "tensor", "block"]).to_pylist()}
+              for k, (_, out) in runs.items()}
+    assert access["ranked", 100] == access["plain", 100]
+    assert access["ranked", 25] != access["plain", 25]
+    r, out = runs["ranked", 25]
+    assert r["bound_guaranteed"] and r["expert_bytes_read"] == r["expert_bytes_planned"] <= r["budget_bytes"]
+    err = frobenius_diff(load_model(out), load_model(runs["ranked", 100][1]))
+    assert 0 < err <= r["error_bound"] * (1 + 1e-5) + 1e-6
+    assert runs["ranked", 25][0]["digest"] != runs["plain", 25][0]["digest"]
+    shards = [json.loads((runs[k][1] / "mergepipe-manifest.json").read_text())["content"]["output"]["shards"] for k in (("plain", 100), ("ranked", 100))]
+    assert shards[0] == shards[1]
 
 
 def test_untouched_tensors_equal_base_and_lora_reads_only_its_projections(bf16_family, tmp_path, session_catalog):

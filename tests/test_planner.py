@@ -35,7 +35,12 @@ def _coef(coefs: list[float], e: int, tensor: str) -> float:
     return 0.0 if (e, tensor) == (0, "t3") else coefs[e] * (1 + int(tensor[1:]) / 4)
 
 
-def _candidates(stats: pa.Table, coefs: list[float]) -> list[tuple]:
+def _base_sq(block: int) -> float:
+    """The base block's energy: varied, with a zero block (its norm is floored at 1e-30)."""
+    return 0.0 if block == 5 else random.Random(block).random() * 10
+
+
+def _candidates(stats: pa.Table, coefs: list[float], rank_by: str = "delta") -> list[tuple]:
     out = []
     for r in stats.to_pylist():
         if r["nnz_delta"] == 0:
@@ -44,38 +49,41 @@ def _candidates(stats: pa.Table, coefs: list[float]) -> list[tuple]:
         if _coef(coefs, e, r["tensor"]) == 0:
             continue
         score = abs(_coef(coefs, e, r["tensor"])) * math.sqrt(r["delta_sq"])
-        out.append((score / r["bytes"], e, r["tensor"], r["block"], r["bytes"], score))
+        value = score if rank_by == "delta" else score / math.sqrt(max(math.sqrt(_base_sq(r["block"])), 1e-30))
+        out.append((value / r["bytes"], e, r["tensor"], r["block"], r["bytes"], score))
     out.sort(key=lambda c: (-c[0], c[1], c[2], c[3]))
     return out
 
 
-def _setup(tmp_path, stats, coefs):
+def _setup(tmp_path, stats, coefs, rank_by="delta"):
     con_cm = db.connect(tmp_path / "cat.duckdb")
     con = con_cm.__enter__()
     from mergepipe.catalog.ingest import ingest_stats
 
     blocks = pa.Table.from_pylist(
-        [{"tensor": f"t{b % 7}", "block": b, "layer": "layer.00000", "row_start": b, "row_end": b + 1, "base_bytes": 4096}
-         for b in range(stats.num_rows // 3)],
+        [{"tensor": f"t{b % 7}", "block": b, "layer": "layer.00000", "row_start": b, "row_end": b + 1, "base_bytes": 4096,
+          "base_sq": _base_sq(b)} for b in range(stats.num_rows // 3)],
         schema=BLOCKS_SCHEMA,
     )
     ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {})
     per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(len(coefs))] for j in range(7)}
-    n = planner.rank_candidates(con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True)
+    n = planner.rank_candidates(con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True,
+                                rank_by=rank_by)
     return con_cm, con, n
 
 
+@pytest.mark.parametrize("rank_by", ["delta", "delta_over_sqrt_base"])
 @pytest.mark.parametrize("seed,budget", [(1, 0), (2, 10_000), (3, 100_000), (4, 333_333), (5, 10**9)])
-def test_greedy_with_fill_matches_sequential_python(tmp_path, seed, budget):
+def test_greedy_with_fill_matches_sequential_python(tmp_path, seed, budget, rank_by):
     stats, coefs = _stats(seed), [0.5, -1.5, 0.25]
-    cm, con, n = _setup(tmp_path, stats, coefs)
+    cm, con, n = _setup(tmp_path, stats, coefs, rank_by)
     try:
         chosen_bytes = planner.select_within_bytes(con, budget)
         got = {(r["expert"], r["tensor"], r["block"]) for r in planner.selected_pairs(con).to_pylist()}
     finally:
         cm.__exit__(None, None, None)
     expected, remaining = set(), budget
-    for _, e, t, b, nbytes, _ in _candidates(stats, coefs):
+    for _, e, t, b, nbytes, _ in _candidates(stats, coefs, rank_by):
         if nbytes <= remaining:
             expected.add((e, t, b))
             remaining -= nbytes
@@ -96,6 +104,24 @@ def test_max_error_gives_the_shortest_prefix_within_the_target(tmp_path):
         assert 0 < k < n
         assert error_bound(planner.omitted_pairs(con)) <= target * (1 + 1e-12)
         assert planner.bound_if_first(con, k - 1) > target
+    finally:
+        cm.__exit__(None, None, None)
+
+
+def test_ranking_on_base_energies_refuses_a_layout_without_them(tmp_path):
+    """A caller that plans on base energies the catalog lacks gets an error naming the key, not
+    a plan that silently falls back to another ranking."""
+    from mergepipe.errors import MergepipeError
+
+    stats, coefs = _stats(7), [1.0, 0.5, 2.0]
+    cm, con, _ = _setup(tmp_path, stats, coefs)
+    try:
+        con.execute("UPDATE blocks SET base_sq = NULL WHERE block = 3")
+        per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(3)] for j in range(7)}
+        with pytest.raises(MergepipeError, match="rank_by: delta_over_sqrt_base.*1 blocks"):
+            planner.rank_candidates(con, "base", 4096, ["fp0", "fp1", "fp2"], per_tensor, skip_zero=True,
+                                    rank_by="delta_over_sqrt_base")
+        assert planner.rank_candidates(con, "base", 4096, ["fp0", "fp1", "fp2"], per_tensor, skip_zero=True) > 0
     finally:
         cm.__exit__(None, None, None)
 

@@ -82,6 +82,14 @@ def indexed_experts(con: duckdb.DuckDBPyConnection, base_fp: str, expert_fps: li
     return {r[0] for r in rows}
 
 
+def missing_base_energies(con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int) -> int:
+    """How many blocks of the base's layout lack their energy (layouts written before schema 3
+    lack them until a pass over the base)."""
+    return con.execute(
+        "SELECT count(*) FROM blocks WHERE base_fp = ? AND block_size = ? AND base_sq IS NULL", [base_fp, block_size]
+    ).fetchall()[0][0]
+
+
 def content_digests(con: duckdb.DuckDBPyConnection, fps: list[str]) -> dict[str, str]:
     rows = con.execute(
         "SELECT model_fp, content_sha256 FROM models WHERE list_contains(?, model_fp) AND content_sha256 IS NOT NULL",
@@ -109,7 +117,14 @@ def ingest_stats(
                      new_stats=stats, new_blocks=blocks):
         _insert_models(con)
         con.execute(
-            "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes FROM new_blocks",
+            "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes, base_sq "
+            "FROM new_blocks",
+            [base_fp, block_size],
+        )
+        # A layout from before schema 3 gains its base energies from this pass.
+        con.execute(
+            "UPDATE blocks SET base_sq = n.base_sq FROM new_blocks n WHERE blocks.base_fp = ? AND blocks.block_size = ? "
+            "AND blocks.tensor = n.tensor AND blocks.block = n.block AND blocks.base_sq IS NULL",
             [base_fp, block_size],
         )
         con.execute(

@@ -6,7 +6,9 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
+from ..errors import MergepipeError
 from .db import sql_text
+from .ingest import missing_base_energies
 
 MAX_FILL_ROUNDS = 256
 
@@ -19,10 +21,16 @@ def rank_candidates(
     coefficients: dict[str, list[float]],
     *,
     skip_zero: bool,
+    rank_by: str = "delta",
 ) -> int:
     """Build the temp table plan_candidates from each expert's coefficient per tensor (filters
     and gradients make it vary); returns how many pairs are worth reading. With skip_zero, a
-    pair whose coefficient is 0 is not worth reading."""
+    pair whose coefficient is 0 is not worth reading. rank_by: the value ranked per byte
+    (planner.sql); 'delta_over_sqrt_base' needs the base's block energies."""
+    if rank_by == "delta_over_sqrt_base":
+        missing = missing_base_energies(con, base_fp, block_size)
+        if missing:  # run_index fills them first; this guards a caller that did not
+            raise MergepipeError(f"rank_by: {rank_by}: the catalog lacks the base's energies for {missing} blocks; index the family again")
     tensors = sorted(coefficients)
     k = len(expert_fps)
     table = pa.table(
@@ -35,7 +43,10 @@ def rank_candidates(
     )
     con.register("plan_coefficients_in", table)
     try:
-        con.execute(sql_text("planner.sql"), {"base_fp": base_fp, "block_size": block_size, "skip_zero": skip_zero})
+        con.execute(
+            sql_text("planner.sql"),
+            {"base_fp": base_fp, "block_size": block_size, "skip_zero": skip_zero, "rank_by": rank_by},
+        )
     finally:
         con.unregister("plan_coefficients_in")
     return con.execute("SELECT count(*) FROM plan_candidates").fetchall()[0][0]

@@ -1,6 +1,9 @@
 -- Candidate (expert, block) pairs ranked for reading.
---   score(k, b) = |c_k| * ||delta_{k,b}||_F     value of reading the pair
---   rank by score per byte, descending; ties broken by (expert position, tensor, block) so the
+--   score(k, b) = |c_k| * ||delta_{k,b}||_F     the pair's term in the error bound
+--   value(k, b) = score                          ($rank_by = 'delta')
+--               = score / sqrt(||theta0_b||_F)   ($rank_by = 'delta_over_sqrt_base'; the base
+--                 block's norm floored at 1e-30, and left out where it is not finite)
+--   rank by value per byte, descending; ties broken by (expert position, tensor, block) so the
 --   order is total and the plan deterministic.
 -- Blocks whose delta is NaN or Inf (delta_sq = +inf) rank first, so no budget omits one quietly.
 -- Blocks whose delta is zero everywhere (nnz_delta = 0) are not candidates: reading them
@@ -11,7 +14,7 @@
 --   gradients in the config make it vary).
 CREATE OR REPLACE TEMP TABLE plan_candidates AS
 WITH cand AS (
-    SELECT e.expert, s.tensor, s.block, b.layer, b.row_start, b.row_end, s.bytes, s.delta_sq,
+    SELECT e.expert, s.tensor, s.block, b.layer, b.row_start, b.row_end, s.bytes, s.delta_sq, b.base_sq,
            -- A non-finite delta (stored as +inf) outranks everything, even with a zero coefficient.
            CASE WHEN isinf(s.delta_sq) THEN 'inf'::DOUBLE ELSE abs(e.coefficient) * sqrt(s.delta_sq) END AS score
     FROM block_stats s
@@ -19,10 +22,15 @@ WITH cand AS (
     JOIN blocks b ON b.base_fp = s.base_fp AND b.block_size = s.block_size AND b.tensor = s.tensor AND b.block = s.block
     WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0 AND s.bytes > 0
       AND NOT ($skip_zero AND e.coefficient = 0 AND NOT isinf(s.delta_sq))
+), valued AS (
+    SELECT *,
+           CASE WHEN $rank_by = 'delta_over_sqrt_base' AND isfinite(base_sq)
+                THEN score / sqrt(greatest(sqrt(base_sq), 1e-30)) ELSE score END AS value
+    FROM cand
 )
 SELECT row_number() OVER w AS rank,
-       expert, tensor, block, layer, row_start, row_end, bytes, delta_sq, score,
+       expert, tensor, block, layer, row_start, row_end, bytes, delta_sq, score, value,
        sum(bytes) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_bytes,
        false AS selected
-FROM cand
-WINDOW w AS (ORDER BY score / bytes DESC, expert, tensor, block);
+FROM valued
+WINDOW w AS (ORDER BY value / bytes DESC, expert, tensor, block);

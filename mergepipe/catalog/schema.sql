@@ -59,6 +59,7 @@ CREATE TABLE IF NOT EXISTS blocks (
     row_start   BIGINT NOT NULL,
     row_end     BIGINT NOT NULL,
     base_bytes  BIGINT NOT NULL,
+    base_sq     DOUBLE,  -- sum(b^2) in fp64; NULL where the layout predates schema 3
     PRIMARY KEY (base_fp, block_size, tensor, block)
 );
 

@@ -67,7 +67,7 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
     # statistics pass, so a config that cannot merge fails fast.
     resolve_tensor_params(spec, family.base.tensors)
     bs = spec.block_size_bytes
-    known, content = run_task(look_up_family, family, bs, catalog)
+    known, content, energies = run_task(look_up_family, family, bs, catalog)
     # An expert needs its pass unless its statistics and content digest are both known; each
     # distinct file set is read once even if the config lists it twice.
     missing, seen = [], set()
@@ -75,7 +75,9 @@ def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
         if (fp not in known or fp not in content) and fp not in seen:
             missing.append(i)
             seen.add(fp)
-    if missing or family.base_fp not in content:
+    # A catalog from before schema 3 lacks the base's block energies: a plan ranked on them
+    # reads the base once more (and no expert) to fill them in.
+    if missing or family.base_fp not in content or (spec.rank_by_needs_base and not energies):
         if in_process():
             result, rows = call_with_retries(compute_block_stats, family, missing, bs)
             ledger.merge(rows)

@@ -9,7 +9,7 @@ from .. import progress
 from ..canonical import digest_of
 from ..catalog import db, ingest
 from ..family import Family, load_family
-from ..indexing import StatsResult, compute_stats
+from ..indexing import STATS_FORMAT, StatsResult, compute_stats
 from ..storage.ledger import ByteLedger
 from ..storage.reader import RangeReader
 from . import STORAGE_RETRIES
@@ -24,13 +24,14 @@ def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, 
 
 
 @task(name="look-up-family", cache_policy=NO_CACHE)
-def look_up_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str]]:
-    """Which experts are already indexed, and the known content digests. Writes nothing: a
-    family is recorded only with its statistics, so a pass that fails leaves no trace."""
+def look_up_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str], bool]:
+    """Which experts are already indexed, the known content digests, and whether the base's block
+    energies are known. Writes nothing: a family is recorded only with its statistics, so a pass
+    that fails leaves no trace."""
     with db.connect(catalog) as con:
         known = ingest.indexed_experts(con, family.base_fp, family.expert_fps(), block_size)
         fps = [family.base_fp, *family.expert_fps()]
-        return known, ingest.content_digests(con, fps)
+        return known, ingest.content_digests(con, fps), not ingest.missing_base_energies(con, family.base_fp, block_size)
 
 
 def stats_cache_key(context, parameters: dict) -> str:
@@ -38,7 +39,9 @@ def stats_cache_key(context, parameters: dict) -> str:
     the block size: another catalog, or a re-run after a crash before ingestion, reuses them."""
     family: Family = parameters["family"]
     fps = family.expert_fps()
-    return "block-stats-" + digest_of([family.base_fp, [fps[i] for i in parameters["positions"]], parameters["block_size"]])[:40]
+    # STATS_FORMAT: a result cached by an earlier release lacks what this one ingests.
+    key = [family.base_fp, [fps[i] for i in parameters["positions"]], parameters["block_size"], STATS_FORMAT]
+    return "block-stats-" + digest_of(key)[:40]
 
 
 @task(name="compute-block-stats", cache_key_fn=stats_cache_key, persist_result=True, **STORAGE_RETRIES)

@@ -50,7 +50,8 @@ def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog
     full = full_expert_bytes(family)
     with db.connect(catalog) as con:
         n = planner.rank_candidates(
-            con, family.base_fp, spec.block_size_bytes, expert_fps, coefficients, skip_zero=op.zero_coefficient_unused
+            con, family.base_fp, spec.block_size_bytes, expert_fps, coefficients, skip_zero=op.zero_coefficient_unused,
+            rank_by=spec.rank_by,
         )
         if spec.max_error is not None:
             budget_bytes = planner.select_within_error(con, spec.max_error, n)
