@@ -141,7 +141,7 @@ def _expert_rows(
     ranges: list[tuple[int, int]], bases: list[tuple[torch.Tensor, np.ndarray]], hasher,
 ) -> list[tuple]:
     """One expert's statistics rows for one run of blocks of a float tensor (hashing as it
-    goes). Runs in a worker thread: hashlib and numpy release the GIL on large buffers."""
+    goes). Runs in a worker thread: hashlib, xxhash and numpy release the GIL on large buffers."""
     out = []
     for j, (b, block) in enumerate(zip(run, rows)):
         # A view, not a copy: writable (the chunk is a bytearray), so decode views it in place.

@@ -74,7 +74,8 @@ CREATE TABLE IF NOT EXISTS block_stats (
     delta_sq       DOUBLE NOT NULL,
     max_abs_delta  DOUBLE NOT NULL,
     nnz_delta      BIGINT NOT NULL,
-    content_hash   VARCHAR NOT NULL
+    content_hash   VARCHAR NOT NULL  -- XXH3-128 of the block's bytes (BLAKE2b-128 in rows indexed before
+                                     -- schema 3); stored for inspection, compared by nothing
 );
 
 CREATE TABLE IF NOT EXISTS plans (
