@@ -149,7 +149,7 @@ class GroupMerger:
             raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
             return self._expert_rows(k, name, as_rows(base).shape[1], runs[k], raws)
 
-        ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed)
+        ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True)
         experts = LazyExperts(base, planned_rows, len(self.plan.inputs) - 1, self._to_compute)
         merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))

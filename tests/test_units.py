@@ -209,9 +209,12 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
 
 @pytest.mark.parametrize("method", ["ties", "dare_ties", "breadcrumbs_ties", "della"])
 def test_sign_election_holds_or_recomputes_the_same_deltas(monkeypatch, method):
-    """Consensus operators keep the sparsified deltas between their two passes when they fit,
-    and compute them again when they do not: bit-identical results either way."""
+    """Consensus operators in the whole-tensor form keep the sparsified deltas between their
+    two passes when they fit, and compute them again when they do not: bit-identical results
+    either way. (TIES and DARE normally run slab by slab: test_slabs.py.)"""
     from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
+
+    monkeypatch.setattr(gta, "SLAB_KEEPS", {})
 
     g = torch.Generator().manual_seed(7)
     base = torch.randn(64, 5, generator=g)

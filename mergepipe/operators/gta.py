@@ -7,10 +7,12 @@ breadcrumbs*, della* (mergekit 0.1.5's GeneralizedTaskArithmeticMerge semantics)
     otherwise:  num = sum_i delta_i,        den = sum_i w_i (|den| < 1e-8 -> 1)
     out = base + lambda * (num / den if normalize else num)
 
-Bounded memory: the sign election is one pass over the experts (a running sum), the
-accumulation a second pass over the sparsified deltas, kept from the first when all K fit in
-HELD_DELTA_BYTES and computed again otherwise (the sparsifiers are deterministic). So a huge
-tensor never has K delta-sized buffers alive at once.
+TIES and DARE (and the sums of DARE-sparsified deltas) run slab by slab (slabs.py), with the
+same values. The whole-tensor form below serves the other sparsifiers, deltas with infinities
+or NaN, and masks replayed by tests. Its memory is bounded: the sign election is one pass
+over the experts (a running sum), the accumulation a second pass over the sparsified deltas,
+kept from the first when all K fit in HELD_DELTA_BYTES and computed again otherwise (the
+sparsifiers are deterministic). So a huge tensor never has K delta-sized buffers alive at once.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from .params import MergeParams, TensorContext, as_rows
+from .params import MergeParams, TensorContext, as_rows, default_keep
+from .slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
 from .sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
 # (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
@@ -90,6 +93,9 @@ class GeneralizedTaskArithmetic:
         return self.sparsify(x - base, params, i, ctx).mul_(params.weights[i])
 
     def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+        merged = self._merge_in_slabs(base, experts, params, ctx)
+        if merged is not None:
+            return merged
         if self.consensus:
             # The election needs every sparsified delta before the sum can start. They are kept
             # for the second pass when they fit HELD_DELTA_BYTES, else computed again (the same
@@ -131,6 +137,38 @@ class GeneralizedTaskArithmetic:
         # base + mixed * lam, in place (addition commutes bit for bit): no whole-tensor temporaries
         return mixed.mul_(params.lam).add_(base)
 
+
+    def _merge_in_slabs(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
+        """The slab-by-slab form (slabs.py) where it applies; None where the whole-tensor form
+        must run: other sparsifiers, replayed masks, blocks that do not tile the rows, whole
+        expert tensors of another dtype or shape, and (for TIES) infinities or NaN."""
+        keep = SLAB_KEEPS.get(self.sparsify)
+        if keep is None or base.numel() == 0 or not tiles(ctx.block_rows, as_rows(base).shape[0]):
+            return None
+        if keep is RandomKeep and ctx.keep is not default_keep:
+            return None
+        if not hasattr(experts, "rows") and any(x.dtype != base.dtype or x.shape != base.shape for x in experts):
+            return None
+        slabbed = SlabMerge(base, experts, params, ctx, keep)
+        if self.consensus:
+            if not all(slabbed.prepare(i) for i in range(len(experts))):
+                return None
+            return slabbed.elect(into_base=ctx.base_reusable)
+        if keep is not RandomKeep:  # only DARE never needs the whole-tensor form part way
+            return None
+        mixed = torch.zeros_like(base)
+        for i in range(len(experts)):
+            slabbed.prepare(i)
+            slabbed.add_into(mixed, i)
+            slabbed.deltas.release(i)
+        if params.normalize:
+            mixed.div_(scalar_denominator(params.weights))
+        return mixed.mul_(params.lam).add_(base)
+
+
+# The sparsifiers the slab form knows (none other needs a slab form yet: breadcrumbs and DELLA
+# rank within rows or over the whole tensor twice).
+SLAB_KEEPS = {magnitude: MagnitudeKeep, dare: RandomKeep}
 
 # Sparsified deltas of one tensor kept between the sign election and the sum (per task): the
 # layers' tensors fit, a 136M-element embedding with 8 experts (4.4 GB) does not.

@@ -87,7 +87,7 @@ class ParamTable:
         return cls(tuple(MergeParams.from_json(p) for p in data["sets"]), dict(data["by_tensor"]))
 
 
-def _seeded_keep(expert: int, probs: torch.Tensor, ctx: "TensorContext") -> torch.Tensor:
+def default_keep(expert: int, probs: torch.Tensor, ctx: "TensorContext") -> torch.Tensor:
     from .sparsify import bernoulli_keep_mask
 
     return bernoulli_keep_mask(probs, expert, ctx)
@@ -101,9 +101,13 @@ class TensorContext:
     stochastic operators can seed per block and never depend on scheduling.
     keep: draws a keep-mask for an expert from per-element keep probabilities (a tensor of the
     delta's shape, or a 0-d one); by default from generators seeded per block. Tests replace it
-    to replay masks another implementation drew."""
+    to replay masks another implementation drew.
+    base_reusable: merge() may overwrite `base` with its result."""
 
     name: str
     block_rows: tuple[tuple[int, int], ...]
     seed: int
-    keep: Callable[[int, torch.Tensor, "TensorContext"], torch.Tensor] = field(default=_seeded_keep, compare=False)
+    keep: Callable[[int, torch.Tensor, "TensorContext"], torch.Tensor] = field(default=default_keep, compare=False)
+    # The caller no longer needs `base` after merge(): an operator may write its result there
+    # (one tensor-sized buffer fewer; a 136M-element embedding's fp32 copy is 544 MB).
+    base_reusable: bool = field(default=False, compare=False)

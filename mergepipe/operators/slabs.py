@@ -1,0 +1,360 @@
+"""TIES and DARE merges computed slab by slab: the same values as the whole-tensor form in
+gta.py, bit for bit, in a fraction of its memory traffic.
+
+The whole-tensor form streams each expert's delta through memory some thirty times (subtract,
+abs, compare, count, mask, scale, elect, sum), every step into a fresh tensor-sized buffer; on
+a 136M-element embedding with 8 experts that took a minute. Here an expert's delta is computed
+for one slab of rows at a time, from the base and the expert's planned rows, and used while it
+is in the CPU cache. What spans the whole tensor is gathered first, in passes of its own:
+TIES's magnitude threshold (an exact radix selection on the bit patterns of |delta|) and the
+L1 norms that rescaling needs (numpy's sum, regrouped so that pieces add up exactly as the
+whole array does). Each element then goes through the same torch operations in the same order
+as in gta.py, so results do not depend on the form (tests compare them bit for bit).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from .params import MergeParams, TensorContext, as_rows
+from .sparsify import _RESCALE_EPS, block_seed
+
+# Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
+SLAB_ELEMENTS = 1 << 18
+
+Slab = tuple[int, int, int]  # (block index, first row, end row)
+
+
+def slabs_of(block_rows: Sequence[tuple[int, int]], width: int) -> list[Slab]:
+    """The blocks' rows in steps of about SLAB_ELEMENTS elements (a slab never spans blocks,
+    so per-block random draws can be sliced)."""
+    step = max(1, SLAB_ELEMENTS // max(1, width))
+    return [(b, a, min(r1, a + step)) for b, (r0, r1) in enumerate(block_rows) for a in range(r0, r1, step)]
+
+
+def tiles(block_rows: Sequence[tuple[int, int]], n_rows: int) -> bool:
+    """Whether the blocks cover rows [0, n_rows) in order, without gaps or overlaps."""
+    end = 0
+    for r0, r1 in block_rows:
+        if r0 != end or r1 <= r0:
+            return False
+        end = r1
+    return end == n_rows
+
+
+class ExpertDeltas:
+    """Each expert's delta x_i - base for a slab of rows, built from the base and the rows the
+    expert was read in (a LazyExperts), or from whole tensors (any other sequence)."""
+
+    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
+        self.base_rows = as_rows(base)
+        self.n_rows, self.width = self.base_rows.shape
+        self.numel = base.numel()
+        self.k = len(experts)
+        self._experts = experts
+        self._lazy = hasattr(experts, "rows")
+        self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute if self._lazy else (lambda t: t)
+        self._runs: dict[int, list] = {}
+
+    def fetch(self, i: int) -> None:
+        """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
+        if i not in self._runs:
+            if self._lazy:
+                self._runs[i] = self._experts.rows(i) or []
+            else:
+                self._runs[i] = [((0, self.n_rows), as_rows(self._experts[i]))]
+
+    def release(self, i: int) -> None:
+        self._runs.pop(i, None)
+
+    def tau(self, i: int, a: int, b: int) -> torch.Tensor:
+        """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
+        LazyExperts builds it), so unplanned rows give base - base."""
+        for (r0, r1), values in self._runs[i]:
+            if r0 <= a and b <= r1:  # one run covers the slab: no copy of the base's rows
+                return torch.sub(self._to_compute(values[a - r0 : b - r0]), self.base_rows[a:b])
+        x = self.base_rows[a:b].clone()
+        for (r0, r1), values in self._runs[i]:
+            lo, hi = max(a, r0), min(b, r1)
+            if lo < hi:
+                x[lo - a : hi - a] = self._to_compute(values[lo - r0 : hi - r0])
+        return x.sub_(self.base_rows[a:b])
+
+
+class AbsSum:
+    """Σ|x| in fp64 over pieces of magnitudes fed in flat order, equal bit for bit to
+    np.abs(whole).sum(dtype=np.float64) on their concatenation.
+
+    numpy sums a cast input buffer by buffer (np.getbufsize() elements), pairwise within a
+    buffer, each buffer's sum added in turn to the running total. Pieces are regrouped on those
+    buffers' boundaries and reduced with the running total as `initial`, which reproduces that
+    order. (A test checks this against numpy on random sizes and cuts; numpy documents the
+    pairwise sum but not the buffering, so the test is what guards a numpy upgrade.)"""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._buf = np.getbufsize()
+        self._carry = np.empty(0, dtype=np.float32)
+
+    def _reduce(self, values: np.ndarray) -> None:
+        self.total = float(np.add.reduce(values, dtype=np.float64, initial=self.total))
+
+    def add(self, magnitudes: torch.Tensor) -> None:
+        values = magnitudes.reshape(-1).numpy()
+        if self._carry.size:  # complete the buffer begun by earlier pieces
+            fill = min(values.size, self._buf - self._carry.size)
+            self._carry = np.concatenate([self._carry, values[:fill]])
+            values = values[fill:]
+            if self._carry.size < self._buf:
+                return
+            self._reduce(self._carry)
+        whole = values.size - values.size % self._buf
+        if whole:
+            self._reduce(values[:whole])
+        self._carry = values[whole:].copy()
+
+    def result(self) -> float:
+        if self._carry.size:
+            self._reduce(self._carry)
+            self._carry = np.empty(0, dtype=np.float32)
+        return self.total
+
+
+# |delta| as int32 bit patterns order as the values do (non-negative floats); the top 16 bits
+# select a bin, the low 16 the value within it. 0x7F80 and above: infinities and NaN.
+_HIGH_BINS, _LOW_BINS, _NONFINITE = 1 << 15, 1 << 16, 0x7F80
+
+
+def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor]], n: int, k: int) -> tuple[torch.Tensor, int] | None:
+    """The k-th largest of n magnitudes |delta|, and where the ties kept end: TIES keeps
+    |delta| > t, and |delta| == t at flat indices below `end` (ties go to the lowest indices).
+
+    deltas() yields the deltas slab by slab in flat order, again for each pass. The value is
+    exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros:
+    when they reach that rank, t is 0 (a bf16 fine-tune's delta is mostly exact zeros).
+    Otherwise a histogram of the bit patterns' top 16 bits finds the value's bin, a second of
+    the low 16 bits within that bin the value, and a last pass the ties' end when some ties are
+    dropped. None when the magnitudes hold an infinity or NaN and t is not 0 (the whole-tensor
+    form then orders those as kthvalue does)."""
+    q = n - k + 1
+    zeros = n - sum(int(torch.count_nonzero(d)) for d in deltas())
+    if zeros >= q:
+        return torch.tensor(0.0), 0
+    high = torch.zeros(_HIGH_BINS, dtype=torch.int64)
+    for d in deltas():
+        high += torch.bincount(d.abs_().reshape(-1).view(torch.int32) >> 16, minlength=_HIGH_BINS)
+    if int(high[_NONFINITE:].sum()):
+        return None
+    cum = high.cumsum(0)
+    hi = int(torch.searchsorted(cum, q))
+    below = int(cum[hi - 1]) if hi else 0
+    # Offsets into the bin, clamped one below and one above it, so counting needs no gather.
+    low = torch.zeros(_LOW_BINS + 2, dtype=torch.int64)
+    for d in deltas():
+        offsets = d.abs_().reshape(-1).view(torch.int32) - (hi << 16)
+        low += torch.bincount(offsets.clamp_(-1, _LOW_BINS).add_(1), minlength=_LOW_BINS + 2)
+    low = low[1:-1]
+    cum_low = low.cumsum(0)
+    lo = int(torch.searchsorted(cum_low, q - below))
+    t = torch.tensor((hi << 16) | lo, dtype=torch.int32).view(torch.float32)
+    greater = (n - int(cum[hi])) + (int(cum_low[-1]) - int(cum_low[lo]))
+    need = k - greater
+    if need >= int(low[lo]):
+        return t, n
+    seen = start = 0
+    for d in deltas():
+        equal = d.abs_().reshape(-1) == t
+        c = int(torch.count_nonzero(equal))
+        if seen + c >= need:
+            return t, start + int(equal.nonzero()[need - seen - 1]) + 1
+        seen += c
+        start += equal.numel()
+    raise AssertionError("the histograms counted more ties than the slabs hold")
+
+
+class MagnitudeKeep:
+    """TIES's keep-mask per slab, from each expert's threshold over the whole tensor."""
+
+    def __init__(self, deltas: ExpertDeltas, slabs: list[Slab], params: MergeParams, ctx: TensorContext) -> None:
+        self.deltas, self.slabs, self.params = deltas, slabs, params
+        self._cut: dict[int, tuple[torch.Tensor, int] | None] = {}
+
+    def start_pass(self, i: int, record: bool) -> None:
+        """Masks come from the thresholds each time: nothing to record."""
+
+    def whole_tensor_only(self, i: int) -> bool:
+        """Prepare expert i; True when it needs the whole-tensor form (infinities or NaN)."""
+        density, n = self.params.densities[i], self.deltas.numel
+        k = max(1, int(density * n))
+        if density >= 1.0 or k >= n:
+            self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
+            return False
+
+        def deltas() -> Iterator[torch.Tensor]:
+            for _, a, b in self.slabs:
+                yield self.deltas.tau(i, a, b)
+
+        cut = magnitude_threshold(deltas, n, k)
+        # A zero threshold drops only zeros, and a zero times the mask is the same zero: the
+        # mask changes nothing, so none is applied.
+        self._cut[i] = None if cut is not None and float(cut[0]) == 0.0 else cut
+        return cut is None
+
+    def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
+        cut = self._cut[i]
+        if cut is None:
+            return None
+        t, end = cut
+        mag = tau.abs()
+        start = slab[1] * self.deltas.width
+        if start + mag.numel() <= end:
+            return mag >= t  # no NaN here, so this is mag > t or mag == t
+        keep = mag > t
+        if start < end:
+            flat = keep.view(-1)
+            flat[: end - start] |= mag.view(-1)[: end - start] == t
+        return keep
+
+
+class RandomKeep:
+    """DARE's keep-mask per slab: each block's draws from its own seeded generator, as
+    sparsify.bernoulli_keep_mask draws them. Masks drawn in the rescale pass are kept, packed
+    to bits, for the merge pass, so no block is drawn twice."""
+
+    def __init__(self, deltas: ExpertDeltas, slabs: list[Slab], params: MergeParams, ctx: TensorContext) -> None:
+        self.deltas, self.params, self.ctx = deltas, params, ctx
+        self._packed: dict[tuple[int, int], np.ndarray] = {}
+        self._current: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (block, its mask)
+        self._recording: set[int] = set()
+
+    def whole_tensor_only(self, i: int) -> bool:
+        return False
+
+    def start_pass(self, i: int, record: bool) -> None:
+        """Begin a pass over expert i's slabs; with record, keep the masks drawn for the next."""
+        self._current.pop(i, None)
+        if record:
+            self._recording.add(i)
+        else:
+            self._recording.discard(i)
+
+    def _block_mask(self, i: int, block: int) -> torch.Tensor:
+        r0, r1 = self.ctx.block_rows[block]
+        shape = (r1 - r0, self.deltas.width)
+        packed = self._packed.pop((i, block), None)
+        if packed is not None:
+            return torch.from_numpy(np.unpackbits(packed, count=shape[0] * shape[1]).view(np.bool_).reshape(shape))
+        g = torch.Generator().manual_seed(block_seed(self.ctx.seed, i, self.ctx.name, block))
+        draws = torch.rand(shape, generator=g, dtype=torch.float32)
+        mask = draws < torch.tensor(self.params.densities[i], dtype=torch.float32)
+        if i in self._recording:
+            self._packed[(i, block)] = np.packbits(mask.numpy().reshape(-1))
+        return mask
+
+    def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
+        if self.params.densities[i] >= 1.0:
+            return None
+        block, a, b = slab
+        current = self._current.get(i)
+        if current is None or current[0] != block:
+            current = (block, self._block_mask(i, block))
+            self._current[i] = current
+        r0 = self.ctx.block_rows[block][0]
+        return current[1][a - r0 : b - r0]
+
+
+# A sparsifier's slab form: whole_tensor_only(i) gathers expert i's whole-tensor statistics
+# (True: it cannot run in slabs), keep(i, slab, tau) gives the slab's keep-mask (None: keep
+# all, no mask applied), start_pass(i, record) begins a pass over expert i's slabs.
+KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "MagnitudeKeep | RandomKeep"]
+
+
+class SlabMerge:
+    """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab."""
+
+    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
+        self.base, self.params = base, params
+        self.deltas = ExpertDeltas(base, experts)
+        self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
+        self.keeps = keep(self.deltas, self.slabs, params, ctx)
+        self._ratio: dict[int, torch.Tensor | None] = {}
+
+    def prepare(self, i: int) -> bool:
+        """Gather expert i's whole-tensor statistics; False when it needs the whole-tensor form."""
+        self.deltas.fetch(i)
+        if self.keeps.whole_tensor_only(i):
+            return False
+        if self.params.rescale:
+            self._ratio[i] = self._rescale_ratio(i)
+        return True
+
+    def _rescale_ratio(self, i: int) -> torch.Tensor | None:
+        """sparsify.l1_rescale's factor: the L1 norm of the delta over that of the kept part
+        (None: left unscaled, as l1_rescale leaves it below 1e-7)."""
+        original, kept = AbsSum(), AbsSum()
+        self.keeps.start_pass(i, record=True)
+        for slab in self.slabs:
+            tau = self.deltas.tau(i, slab[1], slab[2])
+            mask = self.keeps.keep(i, slab, tau)
+            if mask is None:
+                return None  # nothing dropped: l1_rescale's factor would be exactly 1
+            magnitudes = tau.abs()
+            original.add(magnitudes)
+            kept.add(magnitudes.mul_(mask))  # |tau * keep|: the same values
+        self.keeps.start_pass(i, record=False)
+        n_orig, n_kept = original.result(), kept.result()
+        if n_orig < _RESCALE_EPS or n_kept < _RESCALE_EPS:
+            return None
+        return torch.tensor(n_orig / n_kept, dtype=torch.float32)
+
+    def delta(self, i: int, slab: Slab) -> torch.Tensor:
+        """w_i * sparsify(tau_i) over the slab, with gta's operations: tau * keep (in place
+        without rescaling), times the rescale factor, times w_i."""
+        tau = self.deltas.tau(i, slab[1], slab[2])
+        mask = self.keeps.keep(i, slab, tau)
+        if mask is not None:
+            if self.params.rescale:
+                tau = tau * mask.to(tau.dtype)
+                ratio = self._ratio.get(i)
+                if ratio is not None:
+                    tau = tau * ratio
+            else:
+                tau.mul_(mask)
+        return tau.mul_(self.params.weights[i])
+
+    def elect(self, into_base: bool = False) -> torch.Tensor:
+        """TIES-style: in each slab, the sign of the summed deltas, then the sum (and with
+        normalize, the weighted mean) of the deltas that agree with it. into_base: the result
+        goes over the base, slab by slab (a slab's base rows are not read after it is done)."""
+        params, base_rows = self.params, self.deltas.base_rows
+        out = self.base if into_base else torch.empty_like(self.base)
+        out_rows = as_rows(out)
+        for slab in self.slabs:
+            _, a, b = slab
+            ds = [self.delta(i, slab) for i in range(self.deltas.k)]
+            total = torch.zeros_like(ds[0])
+            for d in ds:
+                total += d
+            # +1 where the sum is >= 0, else -1: d agrees where d * sign > 0, which is
+            # gta's where(sum >= 0, d > 0, d < 0) (a NaN or zero agrees with neither) in
+            # float operations, several times faster than where() on bool tensors
+            sign = (total >= 0).to(total.dtype).mul_(2).sub_(1)
+            num = torch.zeros_like(total)
+            den = torch.zeros_like(total)
+            for i, d in enumerate(ds):
+                agree = (d * sign > 0).to(total.dtype)
+                num.addcmul_(d, agree)
+                den.add_(agree, alpha=params.weights[i])
+            den[den == 0] = 1
+            mixed = num / den if params.normalize else num
+            out_rows[a:b] = mixed.mul_(params.lam).add_(base_rows[a:b])
+        return out
+
+    def add_into(self, mixed: torch.Tensor, i: int) -> None:
+        """mixed += w_i * sparsify(tau_i), slab by slab (the sum without an election)."""
+        mixed_rows = as_rows(mixed)
+        for slab in self.slabs:
+            mixed_rows[slab[1] : slab[2]] += self.delta(i, slab)

@@ -1,0 +1,171 @@
+"""The slab-by-slab form of TIES and DARE (operators/slabs.py) against the whole-tensor form
+(gta.py), bit for bit, and its parts against numpy and torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from mergepipe.execution import LazyExperts
+from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta, slabs
+from mergepipe.operators.params import as_rows
+
+
+def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: int = 3):
+    """A base and k experts stored as bf16. kind: 'sparse' (most deltas exactly zero, as a bf16
+    fine-tune's: TIES's threshold is 0), 'dense' (every element moves, on a coarse grid, so
+    magnitudes tie at the threshold) or 'nonfinite' (dense, with an infinity and a NaN)."""
+    base = (torch.randn(rows, width, generator=g) * 4).to(torch.bfloat16).float()
+    base[2, 3] = -0.0
+    experts = []
+    for i in range(k):
+        if kind == "sparse":
+            moved = torch.rand(rows, width, generator=g) < 0.3
+            x = torch.where(moved, base + torch.randn(rows, width, generator=g) * 0.5, base)
+        else:
+            x = base + torch.randint(-3, 4, (rows, width), generator=g).float() * 0.25
+        experts.append(x.to(torch.bfloat16))
+    if kind == "nonfinite":
+        experts[1][5, 1] = float("inf")
+        experts[2][20, 0] = float("nan")
+    return base, experts
+
+
+def _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned):
+    """(slab form, whole-tensor form, whether the slab form ran): the same LazyExperts each
+    time, with each expert's planned rows (None: nothing planned)."""
+    patches = {
+        k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs
+    }
+
+    def lazy():
+        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32))
+
+    ran = []
+    merge_in_slabs = gta.GeneralizedTaskArithmetic._merge_in_slabs
+
+    def spy(self, *args):
+        out = merge_in_slabs(self, *args)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(gta.GeneralizedTaskArithmetic, "_merge_in_slabs", spy)
+    op = OPERATORS[method]
+    slabbed = op.merge(base, lazy(), params, ctx)
+    with monkeypatch.context() as m:
+        m.setattr(gta, "SLAB_KEEPS", {})
+        whole = op.merge(base, lazy(), params, ctx)
+    return slabbed, whole, ran[0]
+
+
+CASES = [
+    # method, kind, rescale, normalize, lam
+    ("ties", "sparse", False, True, 1.0),
+    ("ties", "dense", False, True, 1.0),
+    ("ties", "dense", True, False, 0.7),
+    ("ties", "nonfinite", False, True, 1.0),
+    ("dare_ties", "sparse", True, False, 1.0),
+    ("dare_ties", "dense", True, True, -0.5),
+    ("dare_ties", "dense", False, False, 1.0),
+    ("dare_ties", "nonfinite", True, False, 1.0),
+    ("dare_linear", "dense", True, False, 1.0),
+    ("dare_linear", "sparse", False, True, 2.0),
+]
+
+
+@pytest.mark.parametrize("slab_elements", [1, 20, 1 << 18])
+@pytest.mark.parametrize("method,kind,rescale,normalize,lam", CASES)
+def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, normalize, lam, slab_elements):
+    """Bit for bit, with slabs of one row, of a few rows and of whole blocks; experts read in
+    part, in full and not at all; densities that drop, that keep all and that keep one."""
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
+    g = torch.Generator().manual_seed(sum(map(ord, method + kind)))
+    base, experts = _family(kind, g)
+    params = MergeParams(
+        weights=(0.7, -0.4, 1.2), densities=(0.5, 1.0, 0.02), lam=lam, normalize=normalize, rescale=rescale
+    )
+    ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+    for planned in ({0: [(0, 53)], 1: [(0, 53)], 2: [(0, 53)]}, {0: [(0, 10), (31, 53)], 1: [], 2: [(12, 40)]}):
+        slabbed, whole, ran = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned)
+        assert ran == (kind != "nonfinite" or not method == "ties")  # TIES with inf/NaN: whole form
+        assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), planned
+        assert not torch.equal(slabbed, base)
+        # A caller done with the base lets an election write its result there: the same bits.
+        scratch = base.clone()
+        reused, _, _ = _merge_both_forms(monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned)
+        assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
+        assert (reused.data_ptr() == scratch.data_ptr()) == (ran and method != "dare_linear")
+
+
+def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch):
+    """Experts given as whole tensors (not LazyExperts), a 1-D tensor, a 0-d one."""
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 8)
+    g = torch.Generator().manual_seed(3)
+    for shape, blocks in [((40,), ((0, 40),)), ((), ((0, 1),)), ((12, 5), ((0, 4), (4, 12)))]:
+        base = torch.randn(shape, generator=g)
+        experts = [base + torch.randint(-2, 3, shape, generator=g).float() * 0.5 for _ in range(3)]
+        params = MergeParams(weights=(1.0, 0.5, 2.0), densities=(0.5, 0.4, 0.9), normalize=True, rescale=True)
+        ctx = TensorContext("t", blocks, 5)
+        for method in ("ties", "dare_ties"):
+            slabbed = OPERATORS[method].merge(base, experts, params, ctx)
+            with monkeypatch.context() as m:
+                m.setattr(gta, "SLAB_KEEPS", {})
+                whole = OPERATORS[method].merge(base, experts, params, ctx)
+            assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), (method, shape)
+
+
+def test_magnitude_threshold_is_kthvalue_with_ties_to_the_lowest_indices():
+    """The slab selection keeps exactly the mask sparsify.magnitude_keep_mask gives, over
+    zero-heavy, tie-heavy, tiny, denormal and spread-out magnitudes, for every k tried; it
+    declines infinities and NaN unless the threshold is 0."""
+    from mergepipe.operators.sparsify import magnitude_keep_mask
+
+    g = torch.Generator().manual_seed(9)
+    n = 997
+    cases = {
+        "spread": torch.randn(n, generator=g),
+        "ties": torch.randint(-4, 5, (n,), generator=g).float() * 0.125,
+        "zeros": torch.where(torch.rand(n, generator=g) < 0.7, 0.0, torch.randn(n, generator=g)),
+        "denormal": torch.randint(0, 50, (n,), generator=g).float() * 1e-44,
+        "wide": torch.randn(n, generator=g) * torch.logspace(-30, 30, n),
+    }
+    for name, v in cases.items():
+        for step in (1, 10, 100, n):
+            def deltas():
+                for a in range(0, n, step):
+                    yield v[a : a + step].clone()
+
+            for k in sorted({1, 2, 3, n // 10, n // 2, n // 2 + 1, n - 2, n - 1, *range(5, n, 61)}):
+                density = k / n + 1e-9  # magnitude_keep_mask takes int(density * n)
+                assert max(1, int(density * n)) == k
+                cut = slabs.magnitude_threshold(deltas, n, k)
+                t, end = cut
+                mag = v.abs()
+                got = (mag > t) | ((mag == t) & (torch.arange(n) < end))
+                want = magnitude_keep_mask(v, density)
+                if float(t) == 0.0:  # a zero threshold: ties are zeros, and masking a zero is a no-op
+                    assert torch.equal(v * got, v * want), (name, step, k)
+                else:
+                    assert torch.equal(got, want), (name, step, k)
+    spiked = torch.cat([torch.randn(100, generator=g), torch.tensor([float("inf"), float("nan")])])
+    assert slabs.magnitude_threshold(lambda: iter([spiked.clone()]), 102, 50) is None
+    mostly_zero = torch.cat([torch.zeros(100), torch.tensor([float("inf"), float("nan")])])
+    t, _ = slabs.magnitude_threshold(lambda: iter([mostly_zero.clone()]), 102, 50)
+    assert float(t) == 0.0
+
+
+def test_abs_sum_adds_pieces_as_numpy_sums_the_whole():
+    """AbsSum over random cuts equals np.abs(whole).sum(dtype=float64) bit for bit (this is what
+    l1_rescale computes; the regrouping relies on numpy's buffered reduction, checked here)."""
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        n = int(rng.integers(1, 200_000))
+        values = (rng.standard_normal(n) * rng.uniform(1e-3, 1e3)).astype(np.float32)
+        cuts = np.sort(rng.integers(0, n, size=int(rng.integers(0, 12))))
+        total = slabs.AbsSum()
+        for piece in np.split(values, cuts):
+            total.add(torch.from_numpy(np.abs(piece)))
+        assert total.result() == np.abs(values).sum(dtype=np.float64)
