@@ -17,20 +17,24 @@ from mergepipe.operators.params import as_rows
 def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: int = 3):
     """A base and k experts stored as bf16. kind: 'sparse' (most deltas exactly zero, as a bf16
     fine-tune's: TIES's threshold is 0), 'dense' (every element moves, on a coarse grid, so
-    magnitudes tie at the threshold) or 'nonfinite' (dense, with an infinity and a NaN)."""
+    magnitudes tie at the threshold), 'nonfinite' (dense, with an infinity and a NaN) or
+    'sparse_nonfinite'."""
     base = (torch.randn(rows, width, generator=g) * 4).to(torch.bfloat16).float()
     base[2, 3] = -0.0
     experts = []
     for i in range(k):
-        if kind == "sparse":
+        if kind.startswith("sparse"):
             moved = torch.rand(rows, width, generator=g) < 0.3
             x = torch.where(moved, base + torch.randn(rows, width, generator=g) * 0.5, base)
         else:
             x = base + torch.randint(-3, 4, (rows, width), generator=g).float() * 0.25
         experts.append(x.to(torch.bfloat16))
-    if kind == "nonfinite":
+    if kind == "nonfinite":  # in an expert whose TIES threshold is above 0
         experts[1][5, 1] = float("inf")
         experts[2][20, 0] = float("nan")
+    if kind == "sparse_nonfinite":  # in the expert whose TIES threshold is 0 (density 0.5)
+        experts[0][35, 1] = float("inf")
+        experts[0][36, 0] = float("nan")
     return base, experts
 
 
@@ -67,6 +71,9 @@ CASES = [
     ("ties", "dense", False, True, 1.0),
     ("ties", "dense", True, False, 0.7),
     ("ties", "nonfinite", False, True, 1.0),
+    ("ties", "sparse_nonfinite", False, True, 1.0),
+    ("ties", "sparse_nonfinite", True, True, 1.0),
+    ("dare_ties", "sparse_nonfinite", True, False, 1.0),
     ("dare_ties", "sparse", True, False, 1.0),
     ("dare_ties", "dense", True, True, -0.5),
     ("dare_ties", "dense", False, False, 1.0),
@@ -90,7 +97,7 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
     ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
     for planned in ({0: [(0, 53)], 1: [(0, 53)], 2: [(0, 53)]}, {0: [(0, 10), (31, 53)], 1: [], 2: [(12, 40)]}):
         slabbed, whole, ran = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned)
-        assert ran == (kind != "nonfinite" or not method == "ties")  # TIES with inf/NaN: whole form
+        assert ran == (kind != "nonfinite" or method != "ties")  # TIES, inf/NaN, threshold > 0: whole form
         assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), planned
         assert not torch.equal(slabbed, base)
         # A caller done with the base lets an election write its result there: the same bits.

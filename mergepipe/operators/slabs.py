@@ -70,6 +70,10 @@ class ExpertDeltas:
     def release(self, i: int) -> None:
         self._runs.pop(i, None)
 
+    def reads(self, i: int, a: int, b: int) -> bool:
+        """Whether expert i was read in any of rows [a, b) (elsewhere its delta is base - base)."""
+        return any(r0 < b and a < r1 for (r0, r1), _ in self._runs[i])
+
     def tau(self, i: int, a: int, b: int) -> torch.Tensor:
         """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
         LazyExperts builds it), so unplanned rows give base - base."""
@@ -203,6 +207,12 @@ class MagnitudeKeep:
         self._cut[i] = None if cut is not None and float(cut[0]) == 0.0 else cut
         return cut is None
 
+    def keeps_all(self, i: int) -> bool:
+        """Whether the whole-tensor form leaves expert i's delta alone, unscaled too (with a
+        zero threshold or k = n it still rescales, by exactly 1, or by NaN when |delta|
+        sums to an infinity or NaN)."""
+        return self.params.densities[i] >= 1.0
+
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         cut = self._cut[i]
         if cut is None:
@@ -254,10 +264,15 @@ class RandomKeep:
             self._packed[(i, block)] = np.packbits(mask.numpy().reshape(-1))
         return mask
 
+    def keeps_all(self, i: int) -> bool:
+        return self.params.densities[i] >= 1.0
+
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
-        if self.params.densities[i] >= 1.0:
-            return None
         block, a, b = slab
+        if self.keeps_all(i) or not self.deltas.reads(i, a, b):
+            # Rows not read hold base - base: +0 (NaN where the base is not finite), which a
+            # mask or a positive rescale factor leaves as it is. So no draws for them.
+            return None
         current = self._current.get(i)
         if current is None or current[0] != block:
             current = (block, self._block_mask(i, block))
@@ -267,8 +282,9 @@ class RandomKeep:
 
 
 # A sparsifier's slab form: whole_tensor_only(i) gathers expert i's whole-tensor statistics
-# (True: it cannot run in slabs), keep(i, slab, tau) gives the slab's keep-mask (None: keep
-# all, no mask applied), start_pass(i, record) begins a pass over expert i's slabs.
+# (True: it cannot run in slabs), keeps_all(i) says no element of expert i is dropped,
+# keep(i, slab, tau) gives the slab's keep-mask (None: none needed, the values stay as they
+# are), start_pass(i, record) begins a pass over expert i's slabs.
 KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "MagnitudeKeep | RandomKeep"]
 
 
@@ -294,16 +310,16 @@ class SlabMerge:
     def _rescale_ratio(self, i: int) -> torch.Tensor | None:
         """sparsify.l1_rescale's factor: the L1 norm of the delta over that of the kept part
         (None: left unscaled, as l1_rescale leaves it below 1e-7)."""
+        if self.keeps.keeps_all(i):
+            return None  # nothing dropped: l1_rescale's factor would be exactly 1
         original, kept = AbsSum(), AbsSum()
         self.keeps.start_pass(i, record=True)
         for slab in self.slabs:
             tau = self.deltas.tau(i, slab[1], slab[2])
             mask = self.keeps.keep(i, slab, tau)
-            if mask is None:
-                return None  # nothing dropped: l1_rescale's factor would be exactly 1
             magnitudes = tau.abs()
             original.add(magnitudes)
-            kept.add(magnitudes.mul_(mask))  # |tau * keep|: the same values
+            kept.add(magnitudes if mask is None else magnitudes.mul_(mask))  # |tau * keep|
         self.keeps.start_pass(i, record=False)
         n_orig, n_kept = original.result(), kept.result()
         if n_orig < _RESCALE_EPS or n_kept < _RESCALE_EPS:
@@ -315,14 +331,15 @@ class SlabMerge:
         without rescaling), times the rescale factor, times w_i."""
         tau = self.deltas.tau(i, slab[1], slab[2])
         mask = self.keeps.keep(i, slab, tau)
-        if mask is not None:
-            if self.params.rescale:
+        if self.params.rescale:
+            if mask is not None:
                 tau = tau * mask.to(tau.dtype)
-                ratio = self._ratio.get(i)
-                if ratio is not None:
-                    tau = tau * ratio
-            else:
-                tau.mul_(mask)
+            ratio = self._ratio.get(i)
+            # Unmasked rows were not read: a finite factor leaves their +0 (or NaN) as it is.
+            if ratio is not None and (mask is not None or not bool(torch.isfinite(ratio))):
+                tau = tau * ratio
+        elif mask is not None:
+            tau.mul_(mask)
         return tau.mul_(self.params.weights[i])
 
     def elect(self, into_base: bool = False) -> torch.Tensor:
