@@ -137,13 +137,15 @@ class GeneralizedTaskArithmetic:
         # base + mixed * lam, in place (addition commutes bit for bit): no whole-tensor temporaries
         return mixed.mul_(params.lam).add_(base)
 
-
     def _merge_in_slabs(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
         """The slab-by-slab form (slabs.py) where it applies; None where the whole-tensor form
-        must run: other sparsifiers, replayed masks, blocks that do not tile the rows, whole
-        expert tensors of another dtype or shape, and (for TIES) infinities or NaN."""
+        must run: other sparsifiers, replayed masks, blocks that do not tile the rows, a base
+        that is not fp32, whole expert tensors of another dtype or shape, and TIES over infinities or NaN (unless its
+        threshold is 0)."""
         keep = SLAB_KEEPS.get(self.sparsify)
         if keep is None or base.numel() == 0 or not tiles(ctx.block_rows, as_rows(base).shape[0]):
+            return None
+        if base.dtype != torch.float32:  # AbsSum reproduces numpy's order for a cast (fp32) input
             return None
         if keep is RandomKeep and ctx.keep is not default_keep:
             return None
