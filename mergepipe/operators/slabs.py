@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .params import MergeParams, TensorContext, as_rows
-from .sparsify import _RESCALE_EPS, block_seed
+from .sparsify import block_keep_mask, rescale_factor
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
 SLAB_ELEMENTS = 1 << 18
@@ -257,9 +257,8 @@ class RandomKeep:
         packed = self._packed.pop((i, block), None)
         if packed is not None:
             return torch.from_numpy(np.unpackbits(packed, count=shape[0] * shape[1]).view(np.bool_).reshape(shape))
-        g = torch.Generator().manual_seed(block_seed(self.ctx.seed, i, self.ctx.name, block))
-        draws = torch.rand(shape, generator=g, dtype=torch.float32)
-        mask = draws < torch.tensor(self.params.densities[i], dtype=torch.float32)
+        density = torch.tensor(self.params.densities[i], dtype=torch.float32)
+        mask = block_keep_mask(self.ctx, i, block, density.expand(shape))
         if i in self._recording:
             self._packed[(i, block)] = np.packbits(mask.numpy().reshape(-1))
         return mask
@@ -321,10 +320,7 @@ class SlabMerge:
             original.add(magnitudes)
             kept.add(magnitudes if mask is None else magnitudes.mul_(mask))  # |tau * keep|
         self.keeps.start_pass(i, record=False)
-        n_orig, n_kept = original.result(), kept.result()
-        if n_orig < _RESCALE_EPS or n_kept < _RESCALE_EPS:
-            return None
-        return torch.tensor(n_orig / n_kept, dtype=torch.float32)
+        return rescale_factor(original.result(), kept.result(), torch.float32)
 
     def delta(self, i: int, slab: Slab) -> torch.Tensor:
         """w_i * sparsify(tau_i) over the slab, with gta's operations: tau * keep (in place

@@ -33,10 +33,15 @@ def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext) ->
     p_rows = as_rows(probs)
     mask = torch.empty(p_rows.shape, dtype=torch.bool)
     for b, (r0, r1) in enumerate(ctx.block_rows):
-        g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, b))
-        draws = torch.rand((r1 - r0, p_rows.shape[1]), generator=g, dtype=torch.float32)
-        mask[r0:r1] = draws < p_rows[r0:r1]
+        mask[r0:r1] = block_keep_mask(ctx, expert, b, p_rows[r0:r1])
     return mask.reshape(probs.shape)
+
+
+def block_keep_mask(ctx: TensorContext, expert: int, block: int, p_rows: torch.Tensor) -> torch.Tensor:
+    """One block's keep-mask: its own seeded generator's uniform fp32 draws, kept where
+    draw < p (p_rows: the block's rows of keep probabilities)."""
+    g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, block))
+    return torch.rand(p_rows.shape, generator=g, dtype=torch.float32) < p_rows
 
 
 def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
@@ -44,9 +49,15 @@ def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:
     as it is when either norm is below 1e-7."""
     n_orig = float(np.abs(original.numpy()).sum(dtype=np.float64))
     n_pruned = float(np.abs(pruned.numpy()).sum(dtype=np.float64))
+    factor = rescale_factor(n_orig, n_pruned, pruned.dtype)
+    return pruned if factor is None else pruned * factor
+
+
+def rescale_factor(n_orig: float, n_pruned: float, dtype: torch.dtype) -> torch.Tensor | None:
+    """n_orig / n_pruned as a 0-d tensor, or None (no rescaling) when either is below 1e-7."""
     if n_orig < _RESCALE_EPS or n_pruned < _RESCALE_EPS:
-        return pruned
-    return pruned * torch.tensor(n_orig / n_pruned, dtype=pruned.dtype)
+        return None
+    return torch.tensor(n_orig / n_pruned, dtype=dtype)
 
 
 def _masked(tau: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Tensor:
