@@ -17,8 +17,9 @@ from mergepipe.operators.params import as_rows
 def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: int = 3):
     """A base and k experts stored as bf16. kind: 'sparse' (most deltas exactly zero, as a bf16
     fine-tune's: TIES's threshold is 0), 'dense' (every element moves, on a coarse grid, so
-    magnitudes tie at the threshold), 'nonfinite' (dense, with an infinity and a NaN) or
-    'sparse_nonfinite'."""
+    magnitudes tie at the threshold), 'nonfinite' (dense, with an infinity and a NaN),
+    'sparse_nonfinite', or 'sparse_base_nonfinite' (an infinity and a NaN in the base's first
+    block, where the experts are finite)."""
     base = (torch.randn(rows, width, generator=g) * 4).to(torch.bfloat16).float()
     base[2, 3] = -0.0
     experts = []
@@ -35,6 +36,9 @@ def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: in
     if kind == "sparse_nonfinite":  # in the expert whose TIES threshold is 0 (density 0.5)
         experts[0][35, 1] = float("inf")
         experts[0][36, 0] = float("nan")
+    if kind == "sparse_base_nonfinite":
+        base[4, 2] = float("inf")
+        base[6, 0] = float("nan")
     return base, experts
 
 
@@ -80,7 +84,19 @@ CASES = [
     ("dare_ties", "nonfinite", True, False, 1.0),
     ("dare_linear", "dense", True, False, 1.0),
     ("dare_linear", "sparse", False, True, 2.0),
+    ("ties", "sparse_base_nonfinite", False, True, 1.0),
+    ("ties", "sparse", False, True, -0.5),
+    ("dare_ties", "sparse_base_nonfinite", True, False, -0.5),
+    ("dare_linear", "sparse_base_nonfinite", True, False, 1.0),
 ]
+
+# Each expert's planned rows: all read; read in part, each row by some expert; rows 0-12 (the
+# first block, with the base's -0.0 and, in one kind, its infinity and NaN) read by none.
+PLANS = (
+    {0: [(0, 53)], 1: [(0, 53)], 2: [(0, 53)]},
+    {0: [(0, 10), (31, 53)], 1: [], 2: [(12, 40)]},
+    {0: [(31, 53)], 1: [], 2: [(12, 31)]},
+)
 
 
 @pytest.mark.parametrize("slab_elements", [1, 20, 1 << 18])
@@ -95,9 +111,10 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         weights=(0.7, -0.4, 1.2), densities=(0.5, 1.0, 0.02), lam=lam, normalize=normalize, rescale=rescale
     )
     ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
-    for planned in ({0: [(0, 53)], 1: [(0, 53)], 2: [(0, 53)]}, {0: [(0, 10), (31, 53)], 1: [], 2: [(12, 40)]}):
+    for planned in PLANS:
         slabbed, whole, ran = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned)
-        assert ran == (kind != "nonfinite" or method != "ties")  # TIES, inf/NaN, threshold > 0: whole form
+        # TIES over an infinity or NaN with a threshold above 0 (expert 2's): the whole-tensor form
+        assert ran == (kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties")
         assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), planned
         assert not torch.equal(slabbed, base)
         # A caller done with the base lets an election write its result there: the same bits.
@@ -105,6 +122,39 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         reused, _, _ = _merge_both_forms(monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned)
         assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
         assert (reused.data_ptr() == scratch.data_ptr()) == (ran and method != "dare_linear")
+    # Nothing read: every delta is base - base, and the result is base + (+0 * lambda) (a -0.0
+    # in the base turns +0.0 unless lambda < 0). A base that is not finite makes NaN deltas
+    # there (and NaN rescale factors, which spread to every row).
+    nothing = {0: [], 1: [], 2: []}
+    slabbed, whole, _ = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, nothing)
+    assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32))
+    if bool(torch.isfinite(base).all()):
+        assert torch.equal(slabbed.view(torch.int32), (base + 0.0 * lam).view(torch.int32))
+    reused, _, _ = _merge_both_forms(monkeypatch, method, base.clone(), experts, params, replace(ctx, base_reusable=True), nothing)
+    assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
+
+
+def test_slabs_no_expert_was_read_in_are_not_computed(monkeypatch):
+    """The election computes no delta for a slab that no expert was read in and whose base is
+    finite, and an expert's delta only in the slabs it was read in (or where the base is not)."""
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 7)  # one row per slab
+    g = torch.Generator().manual_seed(4)
+    base, experts = _family("sparse_base_nonfinite", g)
+    params = MergeParams(weights=(0.7, -0.4, 1.2), densities=(0.5, 1.0, 0.5), normalize=True)
+    ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+    computed = []
+    delta = slabs.SlabMerge.delta
+
+    def spy(self, i, slab):
+        computed.append((i, slab[1]))
+        return delta(self, i, slab)
+
+    monkeypatch.setattr(slabs.SlabMerge, "delta", spy)
+    slabbed, whole, ran = _merge_both_forms(monkeypatch, "ties", base, experts, params, ctx, PLANS[2])
+    assert ran and torch.equal(slabbed.view(torch.int32), whole.view(torch.int32))
+    read = {0: range(31, 53), 1: range(0), 2: range(12, 31)}
+    want = [(i, row) for row in range(53) for i in range(3) if row in read[i] or row in (4, 6)]
+    assert sorted(computed[: len(want)], key=lambda c: (c[1], c[0])) == want
 
 
 def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch):
@@ -157,6 +207,20 @@ def test_magnitude_threshold_is_kthvalue_with_ties_to_the_lowest_indices():
                     assert torch.equal(v * got, v * want), (name, step, k)
                 else:
                     assert torch.equal(got, want), (name, step, k)
+    # An int stands for a run of zeros: the same threshold and ties' end as the zeros themselves.
+    v = cases["zeros"].clone()
+    v[100:400] = 0.0
+    v[700:701] = 0.0
+    for k in (1, 50, 200, 300, n // 2, n - 1):
+        def pieces(runs_as_ints: bool):
+            def deltas():
+                for a, b in ((0, 100), (100, 400), (400, 700), (700, 701), (701, n)):
+                    zero_run = (a, b) in ((100, 400), (700, 701))
+                    yield (b - a) if zero_run and runs_as_ints else v[a:b].clone()
+            return deltas
+
+        got, want = slabs.magnitude_threshold(pieces(True), n, k), slabs.magnitude_threshold(pieces(False), n, k)
+        assert got[1] == want[1] and torch.equal(got[0], want[0]), k
     spiked = torch.cat([torch.randn(100, generator=g), torch.tensor([float("inf"), float("nan")])])
     assert slabs.magnitude_threshold(lambda: iter([spiked.clone()]), 102, 50) is None
     mostly_zero = torch.cat([torch.zeros(100), torch.tensor([float("inf"), float("nan")])])
@@ -172,7 +236,15 @@ def test_abs_sum_adds_pieces_as_numpy_sums_the_whole():
         n = int(rng.integers(1, 200_000))
         values = (rng.standard_normal(n) * rng.uniform(1e-3, 1e3)).astype(np.float32)
         cuts = np.sort(rng.integers(0, n, size=int(rng.integers(0, 12))))
+        pieces = np.split(values, cuts)
+        zero_runs = rng.random(len(pieces)) < 0.4  # some pieces are zeros, fed by their count
+        for piece, zero in zip(pieces, zero_runs):
+            if zero:
+                piece[:] = 0.0
         total = slabs.AbsSum()
-        for piece in np.split(values, cuts):
-            total.add(torch.from_numpy(np.abs(piece)))
+        for piece, zero in zip(pieces, zero_runs):
+            if zero:
+                total.add_zeros(piece.size)
+            else:
+                total.add(torch.from_numpy(np.abs(piece)))
         assert total.result() == np.abs(values).sum(dtype=np.float64)

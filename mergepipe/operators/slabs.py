@@ -14,6 +14,8 @@ as in gta.py, so results do not depend on the form (tests compare them bit for b
 
 from __future__ import annotations
 
+import bisect
+import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
@@ -58,21 +60,37 @@ class ExpertDeltas:
         self._lazy = hasattr(experts, "rows")
         self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute if self._lazy else (lambda t: t)
         self._runs: dict[int, list] = {}
+        self._starts: dict[int, list[int]] = {}  # each expert's run starts, for bisect
+        self._finite: dict[tuple[int, int], bool] = {}
 
     def fetch(self, i: int) -> None:
         """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
         if i not in self._runs:
             if self._lazy:
-                self._runs[i] = self._experts.rows(i) or []
+                self._runs[i] = sorted(self._experts.rows(i) or [], key=lambda run: run[0][0])
             else:
                 self._runs[i] = [((0, self.n_rows), as_rows(self._experts[i]))]
+            self._starts[i] = [r0 for (r0, _), _ in self._runs[i]]
 
     def release(self, i: int) -> None:
         self._runs.pop(i, None)
+        self._starts.pop(i, None)
 
     def reads(self, i: int, a: int, b: int) -> bool:
         """Whether expert i was read in any of rows [a, b) (elsewhere its delta is base - base)."""
-        return any(r0 < b and a < r1 for (r0, r1), _ in self._runs[i])
+        # Runs do not overlap: only the last one starting before b can reach into [a, b).
+        j = bisect.bisect_left(self._starts[i], b) - 1
+        return j >= 0 and self._runs[i][j][0][1] > a
+
+    def zero(self, i: int, a: int, b: int) -> bool:
+        """Whether expert i's delta over rows [a, b) is +0 everywhere: it was not read there and
+        the base is finite there (x - x is +0 for a finite x, NaN for an infinity or NaN)."""
+        if self.reads(i, a, b):
+            return False
+        finite = self._finite.get((a, b))
+        if finite is None:
+            finite = self._finite[(a, b)] = bool(torch.isfinite(self.base_rows[a:b]).all())
+        return finite
 
     def tau(self, i: int, a: int, b: int) -> torch.Tensor:
         """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
@@ -120,6 +138,18 @@ class AbsSum:
             self._reduce(values[:whole])
         self._carry = values[whole:].copy()
 
+    def add_zeros(self, n: int) -> None:
+        """add() of n zero magnitudes, without making them: a buffer of zeros adds +0 to the
+        running total, which leaves any total as it is, so only the carry needs them."""
+        if self._carry.size:
+            fill = min(n, self._buf - self._carry.size)
+            self._carry = np.concatenate([self._carry, np.zeros(fill, dtype=np.float32)])
+            n -= fill
+            if self._carry.size < self._buf:
+                return
+            self._reduce(self._carry)
+        self._carry = np.zeros(n % self._buf, dtype=np.float32)
+
     def result(self) -> float:
         if self._carry.size:
             self._reduce(self._carry)
@@ -132,11 +162,12 @@ class AbsSum:
 _HIGH_BINS, _LOW_BINS, _NONFINITE = 1 << 15, 1 << 16, 0x7F80
 
 
-def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor]], n: int, k: int) -> tuple[torch.Tensor, int] | None:
+def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor | int]], n: int, k: int) -> tuple[torch.Tensor, int] | None:
     """The k-th largest of n magnitudes |delta|, and where the ties kept end: TIES keeps
     |delta| > t, and |delta| == t at flat indices below `end` (ties go to the lowest indices).
 
-    deltas() yields the deltas slab by slab in flat order, again for each pass. The value is
+    deltas() yields the deltas slab by slab in flat order, again for each pass; an int stands
+    for that many zeros (a slab the expert was not read in costs nothing then). The value is
     exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros:
     when they reach that rank, t is 0 (a bf16 fine-tune's delta is mostly exact zeros).
     Otherwise a histogram of the bit patterns' top 16 bits finds the value's bin, a second of
@@ -144,12 +175,15 @@ def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor]], n: int, k:
     dropped. None when the magnitudes hold an infinity or NaN and t is not 0 (the whole-tensor
     form then orders those as kthvalue does)."""
     q = n - k + 1
-    zeros = n - sum(int(torch.count_nonzero(d)) for d in deltas())
+    zeros = n - sum(int(torch.count_nonzero(d)) for d in deltas() if not isinstance(d, int))
     if zeros >= q:
         return torch.tensor(0.0), 0
     high = torch.zeros(_HIGH_BINS, dtype=torch.int64)
     for d in deltas():
-        high += torch.bincount(d.abs_().reshape(-1).view(torch.int32) >> 16, minlength=_HIGH_BINS)
+        if isinstance(d, int):
+            high[0] += d  # +0's bit pattern is 0
+        else:
+            high += torch.bincount(d.abs_().reshape(-1).view(torch.int32) >> 16, minlength=_HIGH_BINS)
     if int(high[_NONFINITE:].sum()):
         return None
     cum = high.cumsum(0)
@@ -158,8 +192,11 @@ def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor]], n: int, k:
     # Offsets into the bin, clamped one below and one above it, so counting needs no gather.
     low = torch.zeros(_LOW_BINS + 2, dtype=torch.int64)
     for d in deltas():
-        offsets = d.abs_().reshape(-1).view(torch.int32) - (hi << 16)
-        low += torch.bincount(offsets.clamp_(-1, _LOW_BINS).add_(1), minlength=_LOW_BINS + 2)
+        if isinstance(d, int):
+            low[1 if hi == 0 else 0] += d  # zeros: the bin's first value, or below the bin
+        else:
+            offsets = d.abs_().reshape(-1).view(torch.int32) - (hi << 16)
+            low += torch.bincount(offsets.clamp_(-1, _LOW_BINS).add_(1), minlength=_LOW_BINS + 2)
     low = low[1:-1]
     cum_low = low.cumsum(0)
     lo = int(torch.searchsorted(cum_low, q - below))
@@ -170,6 +207,9 @@ def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor]], n: int, k:
         return t, n
     seen = start = 0
     for d in deltas():
+        if isinstance(d, int):  # t > 0 here (a zero t returned above): no zero ties with it
+            start += d
+            continue
         equal = d.abs_().reshape(-1) == t
         c = int(torch.count_nonzero(equal))
         if seen + c >= need:
@@ -197,9 +237,11 @@ class MagnitudeKeep:
             self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
             return False
 
-        def deltas() -> Iterator[torch.Tensor]:
+        width = self.deltas.width
+
+        def deltas() -> Iterator[torch.Tensor | int]:
             for _, a, b in self.slabs:
-                yield self.deltas.tau(i, a, b)
+                yield (b - a) * width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b)
 
         cut = magnitude_threshold(deltas, n, k)
         # A zero threshold drops only zeros, and a zero times the mask is the same zero: the
@@ -296,6 +338,7 @@ class SlabMerge:
         self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
         self.keeps = keep(self.deltas, self.slabs, params, ctx)
         self._ratio: dict[int, torch.Tensor | None] = {}
+        self._inert: set[int] = set()
 
     def prepare(self, i: int) -> bool:
         """Gather expert i's whole-tensor statistics; False when it needs the whole-tensor form."""
@@ -304,7 +347,16 @@ class SlabMerge:
             return False
         if self.params.rescale:
             self._ratio[i] = self._rescale_ratio(i)
+        ratio = self._ratio.get(i)
+        if math.isfinite(self.params.weights[i]) and (ratio is None or bool(torch.isfinite(ratio))):
+            self._inert.add(i)
         return True
+
+    def _zero(self, i: int, slab: Slab) -> bool:
+        """Whether w_i * sparsify(tau_i) is ±0 all over the slab: tau_i is +0 there, and a mask,
+        a finite rescale factor and a finite weight keep a zero a zero. Adding ±0 to a sum that
+        began at +0 changes no bit of it (such a sum is never -0), so these slabs are skipped."""
+        return i in self._inert and self.deltas.zero(i, slab[1], slab[2])
 
     def _rescale_ratio(self, i: int) -> torch.Tensor | None:
         """sparsify.l1_rescale's factor: the L1 norm of the delta over that of the kept part
@@ -314,6 +366,10 @@ class SlabMerge:
         original, kept = AbsSum(), AbsSum()
         self.keeps.start_pass(i, record=True)
         for slab in self.slabs:
+            if self.deltas.zero(i, slab[1], slab[2]):
+                original.add_zeros((slab[2] - slab[1]) * self.deltas.width)
+                kept.add_zeros((slab[2] - slab[1]) * self.deltas.width)
+                continue
             tau = self.deltas.tau(i, slab[1], slab[2])
             mask = self.keeps.keep(i, slab, tau)
             magnitudes = tau.abs()
@@ -341,13 +397,25 @@ class SlabMerge:
     def elect(self, into_base: bool = False) -> torch.Tensor:
         """TIES-style: in each slab, the sign of the summed deltas, then the sum (and with
         normalize, the weighted mean) of the deltas that agree with it. into_base: the result
-        goes over the base, slab by slab (a slab's base rows are not read after it is done)."""
+        goes over the base, slab by slab (a slab's base rows are not read after it is done).
+        Experts whose delta is ±0 over a slab (_zero) are left out of it: they add nothing to
+        the sums and agree with no sign."""
         params, base_rows = self.params, self.deltas.base_rows
         out = self.base if into_base else torch.empty_like(self.base)
         out_rows = as_rows(out)
+        # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
+        untouched = 0.0 * params.lam if math.isfinite(params.lam) else None
         for slab in self.slabs:
             _, a, b = slab
-            ds = [self.delta(i, slab) for i in range(self.deltas.k)]
+            live = [i for i in range(self.deltas.k) if not self._zero(i, slab)]
+            if not live and untouched is not None:
+                if not into_base:
+                    torch.add(base_rows[a:b], untouched, out=out_rows[a:b])
+                elif math.copysign(1.0, untouched) > 0:  # -0 + (-0) is -0, so only +0 changes bits
+                    out_rows[a:b].add_(untouched)
+                continue
+            live = live or [0]  # lambda is not finite: the slab's election as written
+            ds = [self.delta(i, slab) for i in live]
             total = torch.zeros_like(ds[0])
             for d in ds:
                 total += d
@@ -357,7 +425,7 @@ class SlabMerge:
             sign = (total >= 0).to(total.dtype).mul_(2).sub_(1)
             num = torch.zeros_like(total)
             den = torch.zeros_like(total)
-            for i, d in enumerate(ds):
+            for i, d in zip(live, ds):
                 agree = (d * sign > 0).to(total.dtype)
                 num.addcmul_(d, agree)
                 den.add_(agree, alpha=params.weights[i])
@@ -370,4 +438,5 @@ class SlabMerge:
         """mixed += w_i * sparsify(tau_i), slab by slab (the sum without an election)."""
         mixed_rows = as_rows(mixed)
         for slab in self.slabs:
-            mixed_rows[slab[1] : slab[2]] += self.delta(i, slab)
+            if not self._zero(i, slab):  # a ±0 leaves the sum as it is
+                mixed_rows[slab[1] : slab[2]] += self.delta(i, slab)
