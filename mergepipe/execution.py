@@ -140,7 +140,8 @@ class GroupMerger:
             self.written.update(raw)
             write_at(out_path, out.start, raw, self.ledger)
             return
-        base = _compute(decode(raw, dtype, shape), self.compute_dtype)
+        stored = decode(raw, dtype, shape)
+        base = _compute(stored, self.compute_dtype)
         fetched = dict(zip(order, expert_raws))
 
         def planned_rows(k: int) -> ExpertRows | None:
@@ -150,7 +151,9 @@ class GroupMerger:
             return self._expert_rows(k, name, as_rows(base).shape[1], runs[k], raws)
 
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True)
-        experts = LazyExperts(base, planned_rows, len(self.plan.inputs) - 1, self._to_compute)
+        # The stored base lets the operator compare stored bits, when to_compute only widens.
+        plain = self.compute_dtype in (None, stored.dtype)
+        experts = LazyExperts(base, planned_rows, len(self.plan.inputs) - 1, self._to_compute, stored if plain else None)
         merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
         data = encode(merged.to(DTYPES[out.dtype].torch))
         assert len(data) == out.end - out.start, (name, len(data), out)
@@ -184,14 +187,19 @@ class LazyExperts(Sequence):
     rows(k) gives the planned rows alone (None when nothing is planned), in their stored dtype:
     an operator that is a sum of weighted deltas need not touch the rest of the tensor, where the
     delta is zero, and converts them with to_compute (fp32, after any rounding to the config's
-    dtype) a piece at a time."""
+    dtype) a piece at a time.
+
+    base_stored, when given, is the base as stored, of which `base` is the exact fp32 widening
+    and to_compute only widens rows stored in the same dtype (no rounding to a config dtype)."""
 
     def __init__(
         self, base: torch.Tensor, planned_rows: Callable[[int], ExpertRows | None], n: int,
         to_compute: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(torch.float32),
+        base_stored: torch.Tensor | None = None,
     ) -> None:
         self._base, self._rows, self._n = base, planned_rows, n
         self.to_compute = to_compute
+        self.base_stored = base_stored
 
     def __len__(self) -> int:
         return self._n

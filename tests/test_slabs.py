@@ -42,15 +42,17 @@ def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: in
     return base, experts
 
 
-def _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned):
+def _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned, stored=False):
     """(slab form, whole-tensor form, whether the slab form ran): the same LazyExperts each
-    time, with each expert's planned rows (None: nothing planned)."""
+    time, with each expert's planned rows (None: nothing planned). stored: the LazyExperts
+    also hold the base as stored (bf16), as the executor gives it."""
     patches = {
         k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs
     }
+    base_stored = base.to(torch.bfloat16) if stored else None
 
     def lazy():
-        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32))
+        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32), base_stored)
 
     ran = []
     merge_in_slabs = gta.GeneralizedTaskArithmetic._merge_in_slabs
@@ -117,6 +119,9 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         assert ran == (kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties")
         assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), planned
         assert not torch.equal(slabbed, base)
+        # With the stored base, zeros are counted on stored bits: the same result.
+        counted, _, _ = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned, stored=True)
+        assert torch.equal(counted.view(torch.int32), whole.view(torch.int32)), planned
         # A caller done with the base lets an election write its result there: the same bits.
         scratch = base.clone()
         reused, _, _ = _merge_both_forms(monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned)
@@ -155,6 +160,36 @@ def test_slabs_no_expert_was_read_in_are_not_computed(monkeypatch):
     read = {0: range(31, 53), 1: range(0), 2: range(12, 31)}
     want = [(i, row) for row in range(53) for i in range(3) if row in read[i] or row in (4, 6)]
     assert sorted(computed[: len(want)], key=lambda c: (c[1], c[0])) == want
+
+
+def test_nonzero_counts_on_stored_bits_equal_the_deltas_counts(monkeypatch):
+    """ExpertDeltas.nonzero, from stored bits or from the fp32 delta, is count_nonzero(tau):
+    zeros of both signs against each other, infinities and NaN in experts and in the base,
+    experts stored in another dtype than the base, fp32 storage, rows read in part."""
+    g = torch.Generator().manual_seed(12)
+    rows, width = 40, 9
+    for stored_dtype in (torch.bfloat16, torch.float16, torch.float32):
+        base_stored = (torch.randn(rows, width, generator=g) * 3).to(stored_dtype)
+        base_stored[0, :4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+        base_stored[30, 1] = float("inf")  # rows 30-39: a slab with a base that is not finite
+        base = base_stored.float()
+        experts = []
+        for i in range(3):
+            x = torch.where(torch.rand(rows, width, generator=g) < 0.4, base + torch.randn(rows, width, generator=g), base)
+            x = x.to(stored_dtype)
+            x[0, :4] = torch.tensor([-0.0, 0.0, 0.0, -0.0])  # +0/-0 pairs: deltas of 0
+            x[5, 2], x[6, 3] = float("nan"), float("-inf")
+            experts.append(x)
+        experts.append(experts[0].to(torch.float16 if stored_dtype != torch.float16 else torch.bfloat16))  # another dtype
+        patches = {0: [((0, 12), experts[0][0:12]), ((20, 40), experts[0][20:40])], 1: [((0, 40), experts[1])],
+                   2: [((7, 9), experts[2][7:9])], 3: [((0, 40), experts[3])]}
+        for stored in (base_stored, None):
+            lazy = LazyExperts(base, patches.get, 5, lambda t: t.to(torch.float32), stored)
+            deltas = slabs.ExpertDeltas(base, lazy)
+            for i in range(5):
+                deltas.fetch(i)
+                for a, b in ((0, 10), (10, 20), (20, 30), (30, 40), (0, 40), (8, 21)):
+                    assert deltas.nonzero(i, a, b) == int(torch.count_nonzero(deltas.tau(i, a, b))), (stored_dtype, i, a, b)
 
 
 def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch):

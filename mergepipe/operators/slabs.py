@@ -62,6 +62,8 @@ class ExpertDeltas:
         self._runs: dict[int, list] = {}
         self._starts: dict[int, list[int]] = {}  # each expert's run starts, for bisect
         self._finite: dict[tuple[int, int], bool] = {}
+        stored = getattr(experts, "base_stored", None) if self._lazy else None
+        self._stored_rows = None if stored is None or stored.element_size() not in _BITS else as_rows(stored)
 
     def fetch(self, i: int) -> None:
         """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
@@ -85,25 +87,68 @@ class ExpertDeltas:
     def zero(self, i: int, a: int, b: int) -> bool:
         """Whether expert i's delta over rows [a, b) is +0 everywhere: it was not read there and
         the base is finite there (x - x is +0 for a finite x, NaN for an infinity or NaN)."""
-        if self.reads(i, a, b):
-            return False
+        return not self.reads(i, a, b) and self._base_finite(a, b)
+
+    def _base_finite(self, a: int, b: int) -> bool:
         finite = self._finite.get((a, b))
         if finite is None:
             finite = self._finite[(a, b)] = bool(torch.isfinite(self.base_rows[a:b]).all())
         return finite
+
+    def nonzero(self, i: int, a: int, b: int) -> int:
+        """How many elements of tau(i, a, b) are not 0 (NaN counts, -0 does not).
+
+        Over a finite base whose stored form widens exactly to it, an element of the delta is 0
+        exactly when the expert's stored value equals the base's: the same bits, or a zero
+        against a zero of the other sign. That count reads the stored rows (two bytes each for
+        bf16) instead of making the fp32 delta."""
+        if self.zero(i, a, b):
+            return 0
+        runs = self._runs[i]
+        stored = self._stored_rows
+        if stored is None or not self._base_finite(a, b) or any(v.dtype != stored.dtype for _, v in runs):
+            return int(np.count_nonzero(self.tau(i, a, b).numpy()))
+        uint, magnitude = _BITS[stored.element_size()]
+        count = 0
+        j = max(0, bisect.bisect_right(self._starts[i], a) - 1)
+        for (r0, r1), values in runs[j:]:
+            if r0 >= b:
+                break
+            lo, hi = max(a, r0), min(b, r1)
+            if lo < hi:
+                x = _bits(values[lo - r0 : hi - r0], uint)
+                y = _bits(stored[lo:hi], uint)
+                differ = x != y
+                signed_zeros = differ & (((x | y) & magnitude) == 0)
+                count += int(np.count_nonzero(differ)) - int(np.count_nonzero(signed_zeros))
+        return count
 
     def tau(self, i: int, a: int, b: int) -> torch.Tensor:
         """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
         LazyExperts builds it), so unplanned rows give base - base."""
         for (r0, r1), values in self._runs[i]:
             if r0 <= a and b <= r1:  # one run covers the slab: no copy of the base's rows
-                return torch.sub(self._to_compute(values[a - r0 : b - r0]), self.base_rows[a:b])
+                stored = values[a - r0 : b - r0]
+                x = self._to_compute(stored)
+                if x.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
+                    return torch.sub(x, self.base_rows[a:b])  # not converted: the read rows stay
+                return x.sub_(self.base_rows[a:b])
         x = self.base_rows[a:b].clone()
         for (r0, r1), values in self._runs[i]:
             lo, hi = max(a, r0), min(b, r1)
             if lo < hi:
                 x[lo - a : hi - a] = self._to_compute(values[lo - r0 : hi - r0])
         return x.sub_(self.base_rows[a:b])
+
+
+# Stored float widths whose bit patterns nonzero() compares: unsigned view, magnitude bits.
+_BITS = {2: (np.uint16, 0x7FFF), 4: (np.uint32, 0x7FFFFFFF)}
+
+
+def _bits(t: torch.Tensor, uint: type) -> np.ndarray:
+    """A float tensor's bit patterns as a numpy view (numpy has no bfloat16)."""
+    signed = {np.uint16: torch.int16, np.uint32: torch.int32}[uint]
+    return t.contiguous().view(signed).numpy().view(uint)
 
 
 class AbsSum:
@@ -162,20 +207,24 @@ class AbsSum:
 _HIGH_BINS, _LOW_BINS, _NONFINITE = 1 << 15, 1 << 16, 0x7F80
 
 
-def magnitude_threshold(deltas: Callable[[], Iterator[torch.Tensor | int]], n: int, k: int) -> tuple[torch.Tensor, int] | None:
+def magnitude_threshold(
+    deltas: Callable[[], Iterator[torch.Tensor | int]], n: int, k: int, nonzero: int | None = None
+) -> tuple[torch.Tensor, int] | None:
     """The k-th largest of n magnitudes |delta|, and where the ties kept end: TIES keeps
     |delta| > t, and |delta| == t at flat indices below `end` (ties go to the lowest indices).
 
     deltas() yields the deltas slab by slab in flat order, again for each pass; an int stands
     for that many zeros (a slab the expert was not read in costs nothing then). The value is
-    exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros:
-    when they reach that rank, t is 0 (a bf16 fine-tune's delta is mostly exact zeros).
+    exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros
+    (unless `nonzero` gives the count of the others): when they reach that rank, t is 0 (a bf16 fine-tune's delta is mostly exact zeros).
     Otherwise a histogram of the bit patterns' top 16 bits finds the value's bin, a second of
     the low 16 bits within that bin the value, and a last pass the ties' end when some ties are
     dropped. None when the magnitudes hold an infinity or NaN and t is not 0 (the whole-tensor
     form then orders those as kthvalue does)."""
     q = n - k + 1
-    zeros = n - sum(int(torch.count_nonzero(d)) for d in deltas() if not isinstance(d, int))
+    if nonzero is None:
+        nonzero = sum(int(np.count_nonzero(d.numpy())) for d in deltas() if not isinstance(d, int))
+    zeros = n - nonzero
     if zeros >= q:
         return torch.tensor(0.0), 0
     high = torch.zeros(_HIGH_BINS, dtype=torch.int64)
@@ -243,7 +292,8 @@ class MagnitudeKeep:
             for _, a, b in self.slabs:
                 yield (b - a) * width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b)
 
-        cut = magnitude_threshold(deltas, n, k)
+        nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs)
+        cut = magnitude_threshold(deltas, n, k, nonzero)
         # A zero threshold drops only zeros, and a zero times the mask is the same zero: the
         # mask changes nothing, so none is applied.
         self._cut[i] = None if cut is not None and float(cut[0]) == 0.0 else cut
@@ -405,6 +455,10 @@ class SlabMerge:
         out_rows = as_rows(out)
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
         untouched = 0.0 * params.lam if math.isfinite(params.lam) else None
+        # The sums and the agreement mask reuse four buffers: fresh slab-sized tensors each time
+        # cost page faults (the allocator maps and unmaps them), more than the arithmetic.
+        width = self.deltas.width
+        buffers = torch.empty(4, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=self.base.dtype)
         for slab in self.slabs:
             _, a, b = slab
             live = [i for i in range(self.deltas.k) if not self._zero(i, slab)]
@@ -416,22 +470,24 @@ class SlabMerge:
                 continue
             live = live or [0]  # lambda is not finite: the slab's election as written
             ds = [self.delta(i, slab) for i in live]
-            total = torch.zeros_like(ds[0])
+            total, num, den, agree = (buf[: (b - a) * width].view(b - a, width) for buf in buffers)
+            total.zero_()
             for d in ds:
                 total += d
             # +1 where the sum is >= 0, else -1: d agrees where d * sign > 0, which is
             # gta's where(sum >= 0, d > 0, d < 0) (a NaN or zero agrees with neither) in
-            # float operations, several times faster than where() on bool tensors
-            sign = (total >= 0).to(total.dtype).mul_(2).sub_(1)
-            num = torch.zeros_like(total)
-            den = torch.zeros_like(total)
+            # float operations, several times faster than where() on bool tensors; comparisons
+            # in place store 1.0 or 0.0, as .to() of their bool results would
+            sign = total.ge_(0).mul_(2).sub_(1)
+            num.zero_()
+            den.zero_()
             for i, d in zip(live, ds):
-                agree = (d * sign > 0).to(total.dtype)
+                torch.mul(d, sign, out=agree).gt_(0)
                 num.addcmul_(d, agree)
                 den.add_(agree, alpha=params.weights[i])
-            den[den == 0] = 1
-            mixed = num / den if params.normalize else num
-            out_rows[a:b] = mixed.mul_(params.lam).add_(base_rows[a:b])
+            den.masked_fill_(den == 0, 1)
+            mixed = num.div_(den) if params.normalize else num
+            torch.add(mixed.mul_(params.lam), base_rows[a:b], out=out_rows[a:b])
         return out
 
     def add_into(self, mixed: torch.Tensor, i: int) -> None:
