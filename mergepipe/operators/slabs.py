@@ -216,7 +216,8 @@ def magnitude_threshold(
     deltas() yields the deltas slab by slab in flat order, again for each pass; an int stands
     for that many zeros (a slab the expert was not read in costs nothing then). The value is
     exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros
-    (unless `nonzero` gives the count of the others): when they reach that rank, t is 0 (a bf16 fine-tune's delta is mostly exact zeros).
+    (unless `nonzero` gives the count of the others): when they reach that rank, t is 0 (a
+    bf16 fine-tune's delta is mostly exact zeros).
     Otherwise a histogram of the bit patterns' top 16 bits finds the value's bin, a second of
     the low 16 bits within that bin the value, and a last pass the ties' end when some ties are
     dropped. None when the magnitudes hold an infinity or NaN and t is not 0 (the whole-tensor
@@ -455,8 +456,8 @@ class SlabMerge:
         out_rows = as_rows(out)
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
         untouched = 0.0 * params.lam if math.isfinite(params.lam) else None
-        # The sums and the agreement mask reuse four buffers: fresh slab-sized tensors each time
-        # cost page faults (the allocator maps and unmaps them), more than the arithmetic.
+        # The sums and the agreement mask reuse four buffers: fresh slab-sized tensors for each
+        # slab cost more than the arithmetic on them (a K = 8 slab: 15.4 ms against 6.8 ms).
         width = self.deltas.width
         buffers = torch.empty(4, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=self.base.dtype)
         for slab in self.slabs:
