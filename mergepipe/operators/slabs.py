@@ -64,6 +64,7 @@ class ExpertDeltas:
         self._finite: dict[tuple[int, int], bool] = {}
         stored = getattr(experts, "base_stored", None) if self._lazy else None
         self._stored_rows = None if stored is None or stored.element_size() not in _BITS else as_rows(stored)
+        self._same_dtype: dict[int, bool] = {}
 
     def fetch(self, i: int) -> None:
         """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
@@ -73,10 +74,15 @@ class ExpertDeltas:
             else:
                 self._runs[i] = [((0, self.n_rows), as_rows(self._experts[i]))]
             self._starts[i] = [r0 for (r0, _), _ in self._runs[i]]
+            # nonzero() compares stored bits only where every run is stored as the base is
+            self._same_dtype[i] = self._stored_rows is not None and all(
+                v.dtype == self._stored_rows.dtype for _, v in self._runs[i]
+            )
 
     def release(self, i: int) -> None:
         self._runs.pop(i, None)
         self._starts.pop(i, None)
+        self._same_dtype.pop(i, None)
 
     def reads(self, i: int, a: int, b: int) -> bool:
         """Whether expert i was read in any of rows [a, b) (elsewhere its delta is base - base)."""
@@ -104,9 +110,8 @@ class ExpertDeltas:
         bf16) instead of making the fp32 delta."""
         if self.zero(i, a, b):
             return 0
-        runs = self._runs[i]
-        stored = self._stored_rows
-        if stored is None or not self._base_finite(a, b) or any(v.dtype != stored.dtype for _, v in runs):
+        runs, stored = self._runs[i], self._stored_rows
+        if not self._same_dtype[i] or not self._base_finite(a, b):
             return int(np.count_nonzero(self.tau(i, a, b).numpy()))
         uint, magnitude = _BITS[stored.element_size()]
         count = 0
