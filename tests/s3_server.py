@@ -194,6 +194,9 @@ class S3Proxy:
             self.exchanges.append(exchange)
 
     def reset(self, fault_rate: float = 0.0, seed: int = 0, kinds: list[str] | None = None) -> None:
+        """Starts a fresh record. Waits first for handlers still recording: a client has its
+        answer before the handler records it, and a late record would land in the new one."""
+        self._wait_recorded()
         with self._lock:
             self.exchanges = []
             self.peak_in_flight = self.in_flight
@@ -204,11 +207,16 @@ class S3Proxy:
 
     def taken(self) -> list[Exchange]:
         """What was exchanged so far, once every handler has recorded its exchange."""
-        deadline = time.monotonic() + 10
+        self._wait_recorded()
+        with self._lock:
+            return list(self.exchanges)
+
+    def _wait_recorded(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 if self.active == 0 or time.monotonic() > deadline:
-                    return list(self.exchanges)
+                    return
             time.sleep(0.01)
 
     def close(self) -> None:
