@@ -30,6 +30,11 @@ from .storage.writer import write_at
 # evict them.
 PREFETCH_TENSORS = 2
 
+# A base tensor up to this size in fp32 is widened once for its merge. A larger one (an
+# embedding: 544 MB in fp32) stays as stored when the operator merges slab by slab (merge_into):
+# each slab is widened in each pass instead, which costs some time and saves that much memory.
+WHOLE_BASE_BYTES = 64 << 20
+
 
 def output_layout_of(plan: Plan) -> OutputLayout:
     spec = plan.spec
@@ -141,21 +146,34 @@ class GroupMerger:
             write_at(out_path, out.start, raw, self.ledger)
             return
         stored = decode(raw, dtype, shape)
-        base = _compute(stored, self.compute_dtype)
         fetched = dict(zip(order, expert_raws))
+        width = as_rows(stored).shape[1]
 
         def planned_rows(k: int) -> ExpertRows | None:
             if k not in runs:
                 return None
             raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
-            return self._expert_rows(k, name, as_rows(base).shape[1], runs[k], raws)
+            return self._expert_rows(k, name, width, runs[k], raws)
 
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True)
-        # The stored base lets the operator compare stored bits, when to_compute only widens.
+        params = self.params.for_tensor(name)
+        out_dtype = DTYPES[out.dtype].torch
+        merge_into = getattr(self.op, "merge_into", None)
+        # A large base is left as stored for an operator that can widen it a slab at a time.
+        widened = None if merge_into is not None and 4 * stored.numel() > WHOLE_BASE_BYTES else self._to_compute(stored)
+        # With the stored base the operator can compare stored bits, when to_compute only widens.
         plain = self.compute_dtype in (None, stored.dtype)
-        experts = LazyExperts(base, planned_rows, len(self.plan.inputs) - 1, self._to_compute, stored if plain else None)
-        merged = self.op.merge(base, experts, self.params.for_tensor(name), ctx)
-        data = encode(merged.to(DTYPES[out.dtype].torch))
+        experts = LazyExperts(widened, planned_rows, len(self.plan.inputs) - 1, self._to_compute, stored, widens=plain)
+        merged = None
+        if merge_into is not None:
+            # Into the stored base's own buffer when it has the output's dtype: a slab's base
+            # rows are not read again once the slab is merged.
+            target = stored if stored.dtype == out_dtype else torch.empty(shape, dtype=out_dtype)
+            if merge_into(target, experts, params, ctx):
+                merged = target
+        if merged is None:
+            merged = self.op.merge(experts.base, experts, params, ctx).to(out_dtype)
+        data = encode(merged)
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)
         write_at(out_path, out.start, data, self.ledger)
@@ -189,17 +207,29 @@ class LazyExperts(Sequence):
     delta is zero, and converts them with to_compute (fp32, after any rounding to the config's
     dtype) a piece at a time.
 
-    base_stored, when given, is the base as stored, of which `base` is the exact fp32 widening
-    and to_compute only widens rows stored in the same dtype (no rounding to a config dtype)."""
+    base is the fp32 base; with base None it is to_compute(base_stored), made when first asked
+    for (`widened` is None until then, and an operator may widen the stored base a slab at a
+    time instead). base_stored, when given, is the base as stored; widens: to_compute only
+    widens values of its dtype (no rounding to a config dtype), so equal stored bits mean equal
+    fp32 values."""
 
     def __init__(
-        self, base: torch.Tensor, planned_rows: Callable[[int], ExpertRows | None], n: int,
+        self, base: torch.Tensor | None, planned_rows: Callable[[int], ExpertRows | None], n: int,
         to_compute: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(torch.float32),
-        base_stored: torch.Tensor | None = None,
+        base_stored: torch.Tensor | None = None, widens: bool = False,
     ) -> None:
-        self._base, self._rows, self._n = base, planned_rows, n
+        if base is None and base_stored is None:
+            raise ValueError("LazyExperts needs the base, widened or stored")
+        self.widened, self._rows, self._n = base, planned_rows, n
         self.to_compute = to_compute
         self.base_stored = base_stored
+        self.widens = widens
+
+    @property
+    def base(self) -> torch.Tensor:
+        if self.widened is None:
+            self.widened = self.to_compute(self.base_stored)
+        return self.widened
 
     def __len__(self) -> int:
         return self._n
@@ -212,8 +242,8 @@ class LazyExperts(Sequence):
             raise IndexError(k)
         patch = self._rows(k)
         if patch is None:
-            return self._base
-        x = self._base.clone()
+            return self.base
+        x = self.base.clone()
         view = as_rows(x)
         for (r0, r1), values in patch:
             view[r0:r1] = self.to_compute(values)

@@ -44,6 +44,31 @@ def test_full_budget_bit_identical_fp32_three_shards(method, fp32_family, tmp_pa
     assert_bit_identical(tmp_path / "out", expected)
 
 
+@pytest.mark.parametrize("method", ["ties", "dare_ties"])
+@pytest.mark.parametrize("family,dtypes", [
+    ("bf16_family", {}),  # into the stored base's own buffer
+    ("bf16_family", {"out_dtype": "float32"}),  # into a fresh fp32 output
+    ("fp32_family", {}),  # fp32 stored: the widening is the stored base itself
+    ("fp32_family", {"dtype": "bfloat16"}),  # each slab rounded to bf16, then widened
+    ("fp32_family", {"dtype": "float16", "out_dtype": "bfloat16"}),
+])
+def test_elections_from_the_stored_base_widened_slab_by_slab(method, family, dtypes, request, tmp_path, session_catalog, monkeypatch):
+    """Every base tensor left as stored and widened a slab at a time (as an embedding is), the
+    result rounded into the stored base's buffer or a fresh output: the reference, bit for bit."""
+    from mergepipe import execution
+
+    monkeypatch.setattr(execution, "WHOLE_BASE_BYTES", 0)
+    fam = request.getfixturevalue(family)
+    weights = [0.9, -0.4, 0.6]
+    cfg = config_for(tmp_path, fam, method, weights=weights, density=0.5, seed=5, **dtypes)
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    compute = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtypes.get("dtype"))
+    out_dtype = torch.float32 if dtypes.get("out_dtype") == "float32" else torch.bfloat16 if dtypes.get("out_dtype") else None
+    expected = reference_merge(method, fam.base, fam.experts, weights, densities=[0.5] * 3, seed=5, block_size=4096,
+                               out_dtype=out_dtype, compute_dtype=compute)
+    assert_bit_identical(tmp_path / "out", expected)
+
+
 def test_out_dtype_is_applied(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)

@@ -52,7 +52,7 @@ def _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned, 
     base_stored = base.to(torch.bfloat16) if stored else None
 
     def lazy():
-        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32), base_stored)
+        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32), base_stored, widens=True)
 
     ran = []
     merge_in_slabs = gta.GeneralizedTaskArithmetic._merge_in_slabs
@@ -122,6 +122,7 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         # With the stored base, zeros are counted on stored bits: the same result.
         counted, _, _ = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned, stored=True)
         assert torch.equal(counted.view(torch.int32), whole.view(torch.int32)), planned
+        _check_merge_into(method, base, experts, params, ctx, planned, ran)
         # A caller done with the base lets an election write its result there: the same bits.
         scratch = base.clone()
         reused, _, _ = _merge_both_forms(monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned)
@@ -137,6 +138,46 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         assert torch.equal(slabbed.view(torch.int32), (base + 0.0 * lam).view(torch.int32))
     reused, _, _ = _merge_both_forms(monkeypatch, method, base.clone(), experts, params, replace(ctx, base_reusable=True), nothing)
     assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
+
+
+def _check_merge_into(method, base, experts, params, ctx, planned, ran):
+    """merge_into from the stored base (bf16, widened slab by slab, or widened whole first)
+    into fp32, bf16 and fp16 outputs and into the stored base's own buffer: merge() of the
+    widened stored base, then .to(dtype), bit for bit, where the slab form runs with an
+    election; elsewhere False and nothing written. Also with a to_compute that rounds to fp16
+    first, as a config dtype does."""
+    op = OPERATORS[method]
+    patches = {k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs}
+    takes = ran and method != "dare_linear"
+    roundings = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: t.to(torch.float16).float(), False)}
+    for rounding, (to_compute, widens) in roundings.items():
+        widened = to_compute(base.to(torch.bfloat16))
+        want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), len(experts), to_compute), params, ctx)
+        for widened_first in (False, True):
+            for out_dtype in (torch.float32, torch.bfloat16, torch.float16, "stored"):
+                stored = base.to(torch.bfloat16)
+                out = stored if out_dtype == "stored" else torch.full(base.shape, 7.0, dtype=out_dtype)
+                before = out.clone()
+                lazy = LazyExperts(to_compute(stored) if widened_first else None, lambda k: patches.get(k), len(experts),
+                                   to_compute, stored, widens=widens)
+                done = op.merge_into(out, lazy, params, ctx)
+                case = (rounding, widened_first, out_dtype, planned)
+                assert done == takes, case
+                if not done:
+                    assert torch.equal(out.view(torch.uint8), before.view(torch.uint8)), case
+                    continue
+                assert _same_bits_but_nan_payloads(out, want.to(out.dtype)), case
+
+
+def _same_bits_but_nan_payloads(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, except that a NaN matches any NaN: torch's float conversions make NaNs of
+    other payloads and signs in their vectorised loops than in their scalar ones (bf16 0xFFFF
+    to fp16 to fp32 gives 0x7FFFFFFF in a piece of 7 elements, 0xFFFF0000 in one of 16), so
+    a NaN's bits depend on the size of the piece converted, and slabs convert in pieces."""
+    nan = torch.isnan(a)
+    if not torch.equal(nan, torch.isnan(b)):
+        return False
+    return torch.equal(a[~nan].view(torch.uint8), b[~nan].view(torch.uint8))
 
 
 def test_slabs_no_expert_was_read_in_are_not_computed(monkeypatch):
@@ -184,7 +225,7 @@ def test_nonzero_counts_on_stored_bits_equal_the_deltas_counts(monkeypatch):
         patches = {0: [((0, 12), experts[0][0:12]), ((20, 40), experts[0][20:40])], 1: [((0, 40), experts[1])],
                    2: [((7, 9), experts[2][7:9])], 3: [((0, 40), experts[3])]}
         for stored in (base_stored, None):
-            lazy = LazyExperts(base, patches.get, 5, lambda t: t.to(torch.float32), stored)
+            lazy = LazyExperts(base, patches.get, 5, lambda t: t.to(torch.float32), stored, widens=True)
             deltas = slabs.ExpertDeltas(base, lazy)
             for i in range(5):
                 deltas.fetch(i)

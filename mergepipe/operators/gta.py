@@ -137,27 +137,31 @@ class GeneralizedTaskArithmetic:
         # base + mixed * lam, in place (addition commutes bit for bit): no whole-tensor temporaries
         return mixed.mul_(params.lam).add_(base)
 
+    def merge_into(self, out: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> bool:
+        """merge() written into `out` (any float dtype, rounded as .to() rounds), slab by slab,
+        from a LazyExperts' stored base widened a slab at a time when it holds no fp32 base:
+        no tensor-sized fp32 buffer at all. `out` may be the stored base's own buffer. False
+        (nothing written) where only merge() can do it: no election, or a case the slab form
+        does not take."""
+        base = getattr(experts, "widened", None)
+        if not self.consensus or (base is None and getattr(experts, "base_stored", None) is None):
+            return False
+        slabbed = self._slab_merge(base, experts, params, ctx)
+        if slabbed is None or not all(slabbed.prepare(i) for i in range(len(experts))):
+            return False
+        slabbed.elect(out)
+        return True
+
     def _merge_in_slabs(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
         """The slab-by-slab form (slabs.py) where it applies; None where the whole-tensor form
-        must run: other sparsifiers, replayed masks, blocks that do not tile the rows, a base
-        that is not fp32, whole expert tensors of another dtype or shape, and TIES over infinities or NaN (unless its
-        threshold is 0)."""
-        keep = SLAB_KEEPS.get(self.sparsify)
-        if keep is None or base.numel() == 0 or not tiles(ctx.block_rows, as_rows(base).shape[0]):
+        must run."""
+        slabbed = self._slab_merge(base, experts, params, ctx)
+        if slabbed is None:
             return None
-        if base.dtype != torch.float32:  # AbsSum reproduces numpy's order for a cast (fp32) input
-            return None
-        if keep is RandomKeep and ctx.keep is not default_keep:
-            return None
-        if not hasattr(experts, "rows") and any(x.dtype != base.dtype or x.shape != base.shape for x in experts):
-            return None
-        slabbed = SlabMerge(base, experts, params, ctx, keep)
         if self.consensus:
             if not all(slabbed.prepare(i) for i in range(len(experts))):
                 return None
-            return slabbed.elect(into_base=ctx.base_reusable)
-        if keep is not RandomKeep:  # only DARE never needs the whole-tensor form part way
-            return None
+            return slabbed.elect(base if ctx.base_reusable else None)
         mixed = torch.zeros_like(base)
         for i in range(len(experts)):
             slabbed.prepare(i)
@@ -166,6 +170,28 @@ class GeneralizedTaskArithmetic:
         if params.normalize:
             mixed.div_(scalar_denominator(params.weights))
         return mixed.mul_(params.lam).add_(base)
+
+    def _slab_merge(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> SlabMerge | None:
+        """The slab form of this merge; None where it does not apply: other sparsifiers, replayed
+        masks, blocks that do not tile the rows, a base that is not fp32, whole expert tensors of
+        another dtype or shape, and DARE's sums without an election where the sum has no base
+        to go to. TIES over infinities or NaN (unless its threshold is 0) is found by prepare().
+        base None: the experts are a LazyExperts whose stored base is widened slab by slab."""
+        keep = SLAB_KEEPS.get(self.sparsify)
+        if keep is None:
+            return None
+        if not self.consensus and (keep is not RandomKeep or base is None):  # only DARE never needs the whole-tensor form part way
+            return None
+        shape_of = base if base is not None else experts.base_stored
+        if shape_of.numel() == 0 or not tiles(ctx.block_rows, as_rows(shape_of).shape[0]):
+            return None
+        if base is not None and base.dtype != torch.float32:  # AbsSum reproduces numpy's order for a cast (fp32) input
+            return None
+        if keep is RandomKeep and ctx.keep is not default_keep:
+            return None
+        if not hasattr(experts, "rows") and any(x.dtype != base.dtype or x.shape != base.shape for x in experts):
+            return None
+        return SlabMerge(base, experts, params, ctx, keep)
 
 
 # The sparsifiers the slab form knows (none other needs a slab form yet: breadcrumbs and DELLA

@@ -49,22 +49,42 @@ def tiles(block_rows: Sequence[tuple[int, int]], n_rows: int) -> bool:
 
 class ExpertDeltas:
     """Each expert's delta x_i - base for a slab of rows, built from the base and the rows the
-    expert was read in (a LazyExperts), or from whole tensors (any other sequence)."""
+    expert was read in (a LazyExperts), or from whole tensors (any other sequence).
 
-    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor]) -> None:
-        self.base_rows = as_rows(base)
-        self.n_rows, self.width = self.base_rows.shape
-        self.numel = base.numel()
-        self.k = len(experts)
-        self._experts = experts
+    base None: the experts are a LazyExperts that has not widened its stored base, and base(a, b)
+    widens the stored rows a slab at a time (the last slab kept, as the K experts of a slab ask
+    for it in turn). That saves the fp32 copy of a whole tensor (544 MB for a 136M-element
+    embedding) for a widening of each slab in each pass (about 70 us per 256K elements)."""
+
+    def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor]) -> None:
         self._lazy = hasattr(experts, "rows")
         self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute if self._lazy else (lambda t: t)
+        stored = getattr(experts, "base_stored", None) if self._lazy else None
+        if base is None and stored is None:
+            raise ValueError("ExpertDeltas needs a base, or experts that hold the stored base")
+        self._base_rows = None if base is None else as_rows(base)
+        self._stored_base_rows = None if stored is None else as_rows(stored)
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None
+        self.n_rows, self.width = (self._base_rows if base is not None else self._stored_base_rows).shape
+        self.shape = tuple((base if base is not None else stored).shape)
+        self.numel = (base if base is not None else stored).numel()
+        self.k = len(experts)
+        self._experts = experts
         self._runs: dict[int, list] = {}
         self._starts: dict[int, list[int]] = {}  # each expert's run starts, for bisect
         self._finite: dict[tuple[int, int], bool] = {}
-        stored = getattr(experts, "base_stored", None) if self._lazy else None
-        self._stored_rows = None if stored is None or stored.element_size() not in _BITS else as_rows(stored)
+        # nonzero() compares stored bits where to_compute only widens the stored base's dtype
+        comparable = stored is not None and getattr(experts, "widens", False) and stored.element_size() in _BITS
+        self._stored_rows = self._stored_base_rows if comparable else None
         self._same_dtype: dict[int, bool] = {}
+
+    def base(self, a: int, b: int) -> torch.Tensor:
+        """The base's fp32 rows [a, b) (not to be changed in place)."""
+        if self._base_rows is not None:
+            return self._base_rows[a:b]
+        if self._last is None or self._last[0] != (a, b):
+            self._last = ((a, b), self._to_compute(self._stored_base_rows[a:b]))
+        return self._last[1]
 
     def fetch(self, i: int) -> None:
         """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
@@ -98,7 +118,7 @@ class ExpertDeltas:
     def _base_finite(self, a: int, b: int) -> bool:
         finite = self._finite.get((a, b))
         if finite is None:
-            finite = self._finite[(a, b)] = bool(torch.isfinite(self.base_rows[a:b]).all())
+            finite = self._finite[(a, b)] = bool(torch.isfinite(self.base(a, b)).all())
         return finite
 
     def nonzero(self, i: int, a: int, b: int) -> int:
@@ -136,14 +156,14 @@ class ExpertDeltas:
                 stored = values[a - r0 : b - r0]
                 x = self._to_compute(stored)
                 if x.untyped_storage().data_ptr() == stored.untyped_storage().data_ptr():
-                    return torch.sub(x, self.base_rows[a:b])  # not converted: the read rows stay
-                return x.sub_(self.base_rows[a:b])
-        x = self.base_rows[a:b].clone()
+                    return torch.sub(x, self.base(a, b))  # not converted: the read rows stay
+                return x.sub_(self.base(a, b))
+        x = self.base(a, b).clone()
         for (r0, r1), values in self._runs[i]:
             lo, hi = max(a, r0), min(b, r1)
             if lo < hi:
                 x[lo - a : hi - a] = self._to_compute(values[lo - r0 : hi - r0])
-        return x.sub_(self.base_rows[a:b])
+        return x.sub_(self.base(a, b))
 
 
 # Stored float widths whose bit patterns nonzero() compares: unsigned view, magnitude bits.
@@ -388,7 +408,8 @@ KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "
 class SlabMerge:
     """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab."""
 
-    def __init__(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
+    def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
+        """base None: widened from the LazyExperts' stored base slab by slab (ExpertDeltas)."""
         self.base, self.params = base, params
         self.deltas = ExpertDeltas(base, experts)
         self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
@@ -450,50 +471,57 @@ class SlabMerge:
             tau.mul_(mask)
         return tau.mul_(self.params.weights[i])
 
-    def elect(self, into_base: bool = False) -> torch.Tensor:
+    def elect(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """TIES-style: in each slab, the sign of the summed deltas, then the sum (and with
-        normalize, the weighted mean) of the deltas that agree with it. into_base: the result
-        goes over the base, slab by slab (a slab's base rows are not read after it is done).
-        Experts whose delta is ±0 over a slab (_zero) are left out of it: they add nothing to
-        the sums and agree with no sign."""
-        params, base_rows = self.params, self.deltas.base_rows
-        out = self.base if into_base else torch.empty_like(self.base)
+        normalize, the weighted mean) of the deltas that agree with it. The fp32 result goes
+        into `out`, slab by slab, rounded to its dtype as .to() rounds it (by default a fresh
+        fp32 tensor). `out` may be the base, or the stored base: a slab's base rows are not
+        read after the slab is done. Experts whose delta is ±0 over a slab (_zero) are left out
+        of it: they add nothing to the sums and agree with no sign."""
+        params, deltas = self.params, self.deltas
+        out = torch.empty(deltas.shape, dtype=torch.float32) if out is None else out
         out_rows = as_rows(out)
+        in_place = out is self.base  # the fp32 base itself: unchanged rows need no writing
+        direct = out.dtype == torch.float32  # else each slab is made in a buffer, then rounded
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
         untouched = 0.0 * params.lam if math.isfinite(params.lam) else None
-        # The sums and the agreement mask reuse four buffers: fresh slab-sized tensors for each
-        # slab cost more than the arithmetic on them (a K = 8 slab: 15.4 ms against 6.8 ms).
-        width = self.deltas.width
-        buffers = torch.empty(4, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=self.base.dtype)
+        # The sums, the agreement mask and the rounded result reuse five buffers: fresh
+        # slab-sized tensors for each slab cost more than the arithmetic on them (a K = 8
+        # slab: 15.4 ms against 6.8 ms).
+        width = deltas.width
+        buffers = torch.empty(5, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=torch.float32)
         for slab in self.slabs:
             _, a, b = slab
-            live = [i for i in range(self.deltas.k) if not self._zero(i, slab)]
+            total, num, den, agree, result = (buf[: (b - a) * width].view(b - a, width) for buf in buffers)
+            target = out_rows[a:b] if direct else result
+            live = [i for i in range(deltas.k) if not self._zero(i, slab)]
             if not live and untouched is not None:
-                if not into_base:
-                    torch.add(base_rows[a:b], untouched, out=out_rows[a:b])
+                if not in_place:
+                    torch.add(deltas.base(a, b), untouched, out=target)
                 elif math.copysign(1.0, untouched) > 0:  # -0 + (-0) is -0, so only +0 changes bits
-                    out_rows[a:b].add_(untouched)
-                continue
-            live = live or [0]  # lambda is not finite: the slab's election as written
-            ds = [self.delta(i, slab) for i in live]
-            total, num, den, agree = (buf[: (b - a) * width].view(b - a, width) for buf in buffers)
-            total.zero_()
-            for d in ds:
-                total += d
-            # +1 where the sum is >= 0, else -1: d agrees where d * sign > 0, which is
-            # gta's where(sum >= 0, d > 0, d < 0) (a NaN or zero agrees with neither) in
-            # float operations, several times faster than where() on bool tensors; comparisons
-            # in place store 1.0 or 0.0, as .to() of their bool results would
-            sign = total.ge_(0).mul_(2).sub_(1)
-            num.zero_()
-            den.zero_()
-            for i, d in zip(live, ds):
-                torch.mul(d, sign, out=agree).gt_(0)
-                num.addcmul_(d, agree)
-                den.add_(agree, alpha=params.weights[i])
-            den.masked_fill_(den == 0, 1)
-            mixed = num.div_(den) if params.normalize else num
-            torch.add(mixed.mul_(params.lam), base_rows[a:b], out=out_rows[a:b])
+                    target.add_(untouched)
+            else:
+                live = live or [0]  # lambda is not finite: the slab's election as written
+                ds = [self.delta(i, slab) for i in live]
+                total.zero_()
+                for d in ds:
+                    total += d
+                # +1 where the sum is >= 0, else -1: d agrees where d * sign > 0, which is
+                # gta's where(sum >= 0, d > 0, d < 0) (a NaN or zero agrees with neither) in
+                # float operations, several times faster than where() on bool tensors;
+                # comparisons in place store 1.0 or 0.0, as .to() of their bool results would
+                sign = total.ge_(0).mul_(2).sub_(1)
+                num.zero_()
+                den.zero_()
+                for i, d in zip(live, ds):
+                    torch.mul(d, sign, out=agree).gt_(0)
+                    num.addcmul_(d, agree)
+                    den.add_(agree, alpha=params.weights[i])
+                den.masked_fill_(den == 0, 1)
+                mixed = num.div_(den) if params.normalize else num
+                torch.add(mixed.mul_(params.lam), deltas.base(a, b), out=target)
+            if not direct:
+                out_rows[a:b].copy_(target)
         return out
 
     def add_into(self, mixed: torch.Tensor, i: int) -> None:
