@@ -330,7 +330,9 @@ def render(results: dict, folder: Path) -> str:
             if "skipped" in mk:
                 lines.append(f"mergekit: {mk['skipped']}.")
             else:
-                lines.append(f"mergekit 0.1.5 (cold): {mk['seconds']:.2f} s, peak RSS {mk['peak_rss'] / 2**20:,.0f} MiB.")
+                # a note says where figures carried over from another run come from
+                note = f" {mk['note']}" if mk.get("note") else ""
+                lines.append(f"mergekit 0.1.5 (cold): {mk['seconds']:.2f} s, peak RSS {mk['peak_rss'] / 2**20:,.0f} MiB.{note}")
             png = folder / f"{label}-{op}.png"
             png.write_bytes(plot_sweep(rows, f"{label} (K={k}) {op}", references={
                 "stream merge": st["seconds"], **({} if "skipped" in mk else {"mergekit": mk["seconds"]})}))

@@ -174,13 +174,15 @@ class GeneralizedTaskArithmetic:
     def _slab_merge(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> SlabMerge | None:
         """The slab form of this merge; None where it does not apply: other sparsifiers, replayed
         masks, blocks that do not tile the rows, a base that is not fp32, whole expert tensors of
-        another dtype or shape, and DARE's sums without an election where the sum has no base
-        to go to. TIES over infinities or NaN (unless its threshold is 0) is found by prepare().
+        another dtype or shape, sums without an election other than DARE's or without a widened
+        base. TIES over infinities or NaN (unless its threshold is 0) is found by prepare().
         base None: the experts are a LazyExperts whose stored base is widened slab by slab."""
         keep = SLAB_KEEPS.get(self.sparsify)
         if keep is None:
             return None
-        if not self.consensus and (keep is not RandomKeep or base is None):  # only DARE never needs the whole-tensor form part way
+        if not self.consensus and (keep is not RandomKeep or base is None):
+            # A sum without an election: only DARE's never needs the whole-tensor form part
+            # way, and the sum is made over a widened base.
             return None
         shape_of = base if base is not None else experts.base_stored
         if shape_of.numel() == 0 or not tiles(ctx.block_rows, as_rows(shape_of).shape[0]):
