@@ -65,9 +65,9 @@ class ExpertDeltas:
         self._base_rows = None if base is None else as_rows(base)
         self._stored_base_rows = None if stored is None else as_rows(stored)
         self._last: tuple[tuple[int, int], torch.Tensor] | None = None
-        self.n_rows, self.width = (self._base_rows if base is not None else self._stored_base_rows).shape
-        self.shape = tuple((base if base is not None else stored).shape)
-        self.numel = (base if base is not None else stored).numel()
+        whole = base if base is not None else stored
+        self.n_rows, self.width = as_rows(whole).shape
+        self.shape, self.numel = tuple(whole.shape), whole.numel()
         self.k = len(experts)
         self._experts = experts
         self._runs: dict[int, list] = {}
