@@ -50,8 +50,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import measure  # noqa: E402
-from mergepipe.deviation import deviation  # noqa: E402
-from mergepipe.report import markdown_table, plot_sweep  # noqa: E402
+from mergepipe.publish.deviation import deviation  # noqa: E402
+from mergepipe.publish.report import markdown_table, plot_sweep  # noqa: E402
 
 MERGEPIPE = [str(Path(sys.executable).parent / "mergepipe")]
 
@@ -231,8 +231,8 @@ class Bench:
 
     # -- fixed costs ---------------------------------------------------------------------------
     def fixed_costs(self) -> dict:
-        from mergepipe.synthetic import make_family
-        from mergepipe.synthetic import write_config as tiny_config
+        from mergepipe.devtools.synthetic import make_family
+        from mergepipe.devtools.synthetic import write_config as tiny_config
 
         imports = {
             m: median([measure.run([sys.executable, "-c", f"import {m}"], env=self.env).seconds for _ in range(3)])

@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mergepipe.layout import block_rows, layer_count, layer_position
+from mergepipe.index.blocks import block_rows, layer_count, layer_position
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.spec import load_spec, resolve_params
+from mergepipe.config.spec import load_spec, resolve_params
 
 
 def _open(folder: str):

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .errors import BadInput, MergepipeError
+from mergepipe.errors import BadInput, MergepipeError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Budget-aware merging of checkpoint families.")
 catalog_app = typer.Typer(no_args_is_help=True, help="Query the catalog.")
@@ -54,7 +54,7 @@ def _unwrap(err: BaseException) -> BaseException:
 
 
 def run_command(fn: Callable[[], Any]) -> Any:
-    from . import progress
+    from mergepipe.tasks import progress
 
     progress.set_reporter(progress.for_terminal())
     try:
@@ -82,7 +82,7 @@ def _budget_args(budget: Optional[str], max_error: Optional[float]) -> None:
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
     if budget is not None:
-        from .sizes import parse_budget
+        from mergepipe.config.sizes import parse_budget
 
         parse_budget(budget, key="--budget")
 
@@ -92,7 +92,7 @@ ConfigArg = typer.Argument(..., help="The merge config: a YAML file or an s3:// 
 
 def _check_config(config: str):
     """Validate the config before starting any flow (and Prefect's server): bad input fails fast."""
-    from .spec import check_parameters, load_spec
+    from mergepipe.config.spec import check_parameters, load_spec
 
     spec = load_spec(config)
     check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
@@ -128,8 +128,8 @@ def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json
 
     def go() -> dict:
         _check_config(config)
-        from .flows.index_family import index_family
-        from .flows.orchestration import run_flow
+        from mergepipe.flows.index_family import index_family
+        from mergepipe.flows.orchestration import run_flow
 
         return run_flow(index_family, config=str(config), catalog=str(catalog) if catalog else None)
 
@@ -157,8 +157,8 @@ def plan(
     def go() -> dict:
         _budget_args(budget, max_error)
         _check_config(config)
-        from .flows.merge import plan as plan_flow
-        from .flows.orchestration import run_flow
+        from mergepipe.flows.merge import plan as plan_flow
+        from mergepipe.flows.orchestration import run_flow
 
         return run_flow(plan_flow, config=str(config), budget=budget, max_error=max_error,
                         catalog=str(catalog) if catalog else None)
@@ -199,17 +199,17 @@ def merge(
 
     def go() -> dict:
         _budget_args(budget, max_error)
-        from .flows.runners import check_runner
+        from mergepipe.flows.runners import check_runner
 
         check_runner(runner, dask_address)
         spec = _check_config(config)
-        from .storage.location import set_storage_options
-        from .storage.writer import check_destination
+        from mergepipe.storage.location import set_storage_options
+        from mergepipe.storage.writer import check_destination
 
         set_storage_options(spec.storage_options)
         check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
-        from .flows.merge import merge as merge_flow
-        from .flows.orchestration import run_flow
+        from mergepipe.flows.merge import merge as merge_flow
+        from mergepipe.flows.orchestration import run_flow
 
         return run_flow(merge_flow, config=str(config), out=str(out), budget=budget, max_error=max_error,
                         overwrite=overwrite, catalog=str(catalog) if catalog else None,
@@ -232,10 +232,10 @@ def sweep(
     """Merge at several budgets and report bytes, seconds, bound and deviation from the full merge."""
 
     def go() -> list[dict]:
-        from .flows.sweep import budget_label
-        from .sizes import parse_budget
-        from .storage.location import is_remote, join, set_storage_options
-        from .storage.writer import check_destination
+        from mergepipe.flows.sweep import budget_label
+        from mergepipe.config.sizes import parse_budget
+        from mergepipe.storage.location import is_remote, join, set_storage_options
+        from mergepipe.storage.writer import check_destination
 
         wanted = [b.strip() for b in budgets.split(",") if b.strip()]
         if not wanted:
@@ -248,10 +248,10 @@ def sweep(
         set_storage_options(spec.storage_options)
         for b in wanted:
             check_destination(join(out, budget_label(b)), overwrite, [spec.base_model, *spec.expert_uris])
-        from .flows.orchestration import run_flow
-        from .flows.sweep import budget_sweep
-        from .report import sweep_report
-        from .storage.writer import write_file
+        from mergepipe.flows.orchestration import run_flow
+        from mergepipe.flows.sweep import budget_sweep
+        from mergepipe.publish.report import sweep_report
+        from mergepipe.storage.writer import write_file
 
         rows = run_flow(budget_sweep, config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
                         catalog=str(catalog) if catalog else None)
@@ -265,7 +265,7 @@ def sweep(
     if as_json:
         _print_json(result)
         return
-    from .report import SWEEP_COLUMNS
+    from mergepipe.publish.report import SWEEP_COLUMNS
 
     t = Table(title="budget sweep")
     for _, header, _ in SWEEP_COLUMNS:
@@ -289,11 +289,11 @@ def replay(
     """Re-execute a manifest's access set and reproduce its digest (refuses changed inputs)."""
 
     def go() -> dict:
-        from .flows.runners import check_runner
+        from mergepipe.flows.runners import check_runner
 
         check_runner(runner, dask_address)
-        from .flows.orchestration import run_flow
-        from .flows.replay import replay as replay_flow
+        from mergepipe.flows.orchestration import run_flow
+        from mergepipe.flows.replay import replay as replay_flow
 
         return run_flow(replay_flow, manifest=str(manifest), out=str(out), overwrite=overwrite,
                         catalog=str(catalog) if catalog else None, runner=runner, dask_address=dask_address)
@@ -307,7 +307,7 @@ def verify(out: str = typer.Argument(..., help="Output folder or s3:// prefix.")
     """Re-hash an output against its manifest."""
 
     def go():
-        from .manifest import verify_output
+        from mergepipe.publish.manifest import verify_output
 
         return verify_output(out)
 
@@ -331,7 +331,7 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
     def go():
         import duckdb
 
-        from .catalog.records import query_readonly
+        from mergepipe.catalog.records import query_readonly
 
         try:
             return query_readonly(query, catalog)
@@ -363,7 +363,7 @@ def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once
     def go() -> None:
         from prefect import serve as prefect_serve
 
-        from .flows.deployments import runner_deployments
+        from mergepipe.flows.deployments import runner_deployments
 
         prefect_serve(*runner_deployments(), limit=limit)
 
@@ -376,7 +376,7 @@ def demo(out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder 
     """Build a small family, index it, plan and merge it at 25% and 100%, verify the outputs."""
 
     def go() -> dict:
-        from .demo import run_demo
+        from mergepipe.devtools.demo import run_demo
 
         return run_demo(out, echo=None if as_json else out_console.print)
 

@@ -17,7 +17,7 @@ os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 
 import pytest  # noqa: E402
 
-from mergepipe.synthetic import FamilyPaths, make_family  # noqa: E402
+from mergepipe.devtools.synthetic import FamilyPaths, make_family  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

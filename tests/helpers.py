@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from mergepipe.synthetic import FamilyPaths, make_family, write_config, write_model
+from mergepipe.devtools.synthetic import FamilyPaths, make_family, write_config, write_model
 
 from .reference import load_model
 

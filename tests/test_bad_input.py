@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.storage.safetensors_format import header_length, parse_header
-from mergepipe.synthetic import make_family, write_config, write_model
+from mergepipe.devtools.synthetic import make_family, write_config, write_model
 
 from .reference import load_model
 

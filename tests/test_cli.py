@@ -108,7 +108,7 @@ def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_shape_mismatch_via_cli_names_the_tensor_and_shapes(tmp_path):
-    from mergepipe.synthetic import write_config
+    from mergepipe.devtools.synthetic import write_config
 
     from .helpers import replace_model, tiny_family
     from .reference import load_model

@@ -15,7 +15,7 @@ from pathlib import Path
 import duckdb
 
 from mergepipe.flows.merge import merge
-from mergepipe.synthetic import make_family, write_config
+from mergepipe.devtools.synthetic import make_family, write_config
 
 from .helpers import catalog_problems
 

@@ -16,8 +16,8 @@ import pytest
 
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
-from mergepipe.manifest import verify_output
-from mergepipe.synthetic import make_family, write_config
+from mergepipe.publish.manifest import verify_output
+from mergepipe.devtools.synthetic import make_family, write_config
 
 from .helpers import catalog_problems
 
@@ -27,14 +27,14 @@ HERE = Path(__file__).resolve().parent
 # kills after the output is visible but before the run is recorded.
 POINTS = [
     ("header-read", "mergepipe.storage.model_files:header_length:3", "index"),
-    ("statistics", "mergepipe.indexing:delta_stats:25", "index"),
+    ("statistics", "mergepipe.index.stats:delta_stats:25", "index"),
     ("before-ingestion", "mergepipe.catalog.ingest:ingest_stats:1", "index"),
     ("inside-ingestion", "mergepipe.catalog.ingest:_insert_models:1:after", "index"),
     ("after-ingestion", "mergepipe.catalog.ingest:ingest_stats:1:after", "index"),
     ("plan-recorded", "mergepipe.catalog.records:save_plan:1:after", "index"),
-    ("layer-group", "mergepipe.tasks.merge_tasks:merge_group:2", "merge"),
-    ("tensor-write", "mergepipe.execution:write_at:7", "merge"),
-    ("output-files", "mergepipe.tasks.merge_tasks:write_output_files:1:after", "merge"),
+    ("layer-group", "mergepipe.tasks.merge:merge_group:2", "merge"),
+    ("tensor-write", "mergepipe.execute.group:write_at:7", "merge"),
+    ("output-files", "mergepipe.tasks.merge:write_output_files:1:after", "merge"),
     ("publish", "mergepipe.storage.writer:_fsync_path:2", "merge"),
     ("run-record", "mergepipe.catalog.records:record_run:1", "published"),
 ]

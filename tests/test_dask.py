@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
-from mergepipe.manifest import verify_output
+from mergepipe.publish.manifest import verify_output
 
 from .helpers import config_for
 

@@ -14,7 +14,7 @@ import yaml
 from mergepipe.flows.deployments import DEPLOYMENTS, WORK_POOL, load_flow
 from mergepipe.flows.merge import merge
 from mergepipe.flows.sweep import budget_sweep
-from mergepipe.manifest import verify_output
+from mergepipe.publish.manifest import verify_output
 
 from .helpers import config_for
 

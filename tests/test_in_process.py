@@ -17,7 +17,7 @@ import pytest
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import call_with_retries
-from mergepipe.manifest import verify_output
+from mergepipe.publish.manifest import verify_output
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
 from .helpers import config_for
@@ -67,7 +67,7 @@ def test_killed_in_process_merge_resumes(bf16_family, tmp_path, session_catalog)
     env = _no_api_env(tmp_path, MERGEPIPE_WORKERS="1")
     fresh = _json(_mergepipe(env, "merge", str(cfg), "--out", str(tmp_path / "fresh"), "--catalog", session_catalog, "--json"))
     out = tmp_path / "out"
-    killed = _mergepipe(dict(env, KILL_AT="mergepipe.tasks.merge_tasks:merge_group:3"), "merge", str(cfg), "--out", str(out),
+    killed = _mergepipe(dict(env, KILL_AT="mergepipe.tasks.merge:merge_group:3"), "merge", str(cfg), "--out", str(out),
                         "--catalog", session_catalog, script=[str(HERE / "kill_at.py")])
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert not out.exists()

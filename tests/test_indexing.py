@@ -13,7 +13,7 @@ import torch
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
-from mergepipe.synthetic import FamilyPaths, write_config
+from mergepipe.devtools.synthetic import FamilyPaths, write_config
 
 from .helpers import replace_model, tiny_family
 from .reference import load_model

@@ -83,7 +83,7 @@ def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
     pages, plus the header pages, and far below the file sizes. No read-ahead."""
     family_copy = tmp_path / "family"
     shutil.copytree(bf16_family.base.parent, family_copy)
-    from mergepipe.synthetic import FamilyPaths
+    from mergepipe.devtools.synthetic import FamilyPaths
 
     fam = FamilyPaths(family_copy / "base", [family_copy / e.name for e in bf16_family.experts])
     cfg = config_for(tmp_path, fam, "task_arithmetic")
@@ -127,7 +127,7 @@ def test_prefetch_reads_exactly_the_asked_pages(tmp_path):
 
 
 def test_progress_reports_layer_groups_and_bytes_read(bf16_family, tmp_path, session_catalog):
-    from mergepipe import progress
+    from mergepipe.tasks import progress
 
     class Recorder:
         def __init__(self):

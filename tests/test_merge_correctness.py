@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mergepipe.flows.merge import merge
-from mergepipe.synthetic import FamilyPaths, write_model
+from mergepipe.devtools.synthetic import FamilyPaths, write_model
 
 from .helpers import assert_bit_identical, config_for, frobenius_diff
 from .reference import load_model, reference_merge
@@ -55,7 +55,7 @@ def test_full_budget_bit_identical_fp32_three_shards(method, fp32_family, tmp_pa
 def test_elections_from_the_stored_base_widened_slab_by_slab(method, family, dtypes, request, tmp_path, session_catalog, monkeypatch):
     """Every base tensor left as stored and widened a slab at a time (as an embedding is), the
     result rounded into the stored base's buffer or a fresh output: the reference, bit for bit."""
-    from mergepipe import execution
+    from mergepipe.execute import group as execution
 
     monkeypatch.setattr(execution, "WHOLE_BASE_BYTES", 0)
     fam = request.getfixturevalue(family)

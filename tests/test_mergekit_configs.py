@@ -12,9 +12,9 @@ import yaml
 from safetensors.torch import load_file
 
 from mergepipe.errors import BadInput
-from mergepipe.layout import layer_count, layer_position
-from mergepipe.settings import evaluate, parse_setting
-from mergepipe.spec import load_spec, resolve_params, resolve_tensor_params
+from mergepipe.index.blocks import layer_count, layer_position
+from mergepipe.config.settings import evaluate, parse_setting
+from mergepipe.config.spec import load_spec, resolve_params, resolve_tensor_params
 
 
 def test_gradient_is_piecewise_linear_over_layer_position():
@@ -151,7 +151,7 @@ def test_unsupported_mergekit_keys_are_refused_by_name(tmp_path, key, value, mat
 
 def _expected_per_tensor(spec, base_dir, expert_dirs, block_size):
     """The operator applied to whole tensors, with each tensor's own resolved parameters."""
-    from mergepipe.layout import block_rows
+    from mergepipe.index.blocks import block_rows
     from mergepipe.operators import OPERATORS, TensorContext
 
     from .reference import load_model
@@ -175,7 +175,7 @@ def test_filters_and_gradients_end_to_end_with_a_bound_that_holds(bf16_family, t
 
     from mergepipe.flows.merge import merge
     from mergepipe.flows.replay import replay
-    from mergepipe.manifest import MANIFEST_FILE
+    from mergepipe.publish.manifest import MANIFEST_FILE
 
     from .helpers import assert_bit_identical, frobenius_diff
     from .reference import load_model
@@ -273,7 +273,7 @@ def test_docs_match_the_code(tmp_path):
     import re
 
     from mergepipe.operators import OPERATORS
-    from mergepipe.spec import check_parameters
+    from mergepipe.config.spec import check_parameters
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```yaml\n(merge_method:.*?)```", readme, re.S).group(1)

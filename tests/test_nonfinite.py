@@ -14,7 +14,7 @@ from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge, plan
-from mergepipe.synthetic import make_family, write_config, write_model
+from mergepipe.devtools.synthetic import make_family, write_config, write_model
 
 from .helpers import assert_bit_identical
 from .reference import load_model, reference_merge

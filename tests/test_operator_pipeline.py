@@ -9,10 +9,10 @@ import torch
 import yaml
 
 from mergepipe.flows.merge import merge
-from mergepipe.layout import block_rows
+from mergepipe.index.blocks import block_rows
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.spec import load_spec, resolve_params
-from mergepipe.synthetic import make_family
+from mergepipe.config.spec import load_spec, resolve_params
+from mergepipe.devtools.synthetic import make_family
 
 from .helpers import assert_bit_identical
 from .reference import load_model

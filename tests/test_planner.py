@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from mergepipe.catalog import db, planner
-from mergepipe.indexing import BLOCKS_SCHEMA, STATS_SCHEMA
-from mergepipe.planning import error_bound
+from mergepipe.index.stats import BLOCKS_SCHEMA, STATS_SCHEMA
+from mergepipe.plan.record import error_bound
 
 
 def _stats(seed: int, n_experts: int = 3, n_blocks: int = 150) -> pa.Table:

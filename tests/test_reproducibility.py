@@ -12,8 +12,8 @@ from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
-from mergepipe.manifest import MANIFEST_FILE, load_manifest, verify_output
-from mergepipe.synthetic import FamilyPaths, dense_expert
+from mergepipe.publish.manifest import MANIFEST_FILE, load_manifest, verify_output
+from mergepipe.devtools.synthetic import FamilyPaths, dense_expert
 
 from .helpers import config_for, replace_model
 from .reference import load_model

@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mergepipe.execution import group_regions, output_layout_of
+from mergepipe.execute.group import group_regions, output_layout_of
 from mergepipe.flows.merge import merge
-from mergepipe.manifest import verify_output
-from mergepipe.planning import Plan
+from mergepipe.publish.manifest import verify_output
+from mergepipe.plan.record import Plan
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
 from .helpers import config_for
@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _killed_merge(cfg: Path, out: Path, catalog: str, kill_at: int, tmp: Path) -> None:
-    env = dict(os.environ, KILL_AT=f"mergepipe.tasks.merge_tasks:merge_group:{kill_at}", MERGEPIPE_WORKERS="1",
+    env = dict(os.environ, KILL_AT=f"mergepipe.tasks.merge:merge_group:{kill_at}", MERGEPIPE_WORKERS="1",
                PREFECT_HOME=str(tmp / "prefect-home"))
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(

@@ -18,10 +18,10 @@ from mergepipe.cli import app
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
-from mergepipe.manifest import verify_output
+from mergepipe.publish.manifest import verify_output
 from mergepipe.storage import remote
 from mergepipe.storage.model_files import MANIFEST_FILE
-from mergepipe.synthetic import FamilyPaths, make_family
+from mergepipe.devtools.synthetic import FamilyPaths, make_family
 
 from .helpers import config_for
 
@@ -210,7 +210,7 @@ def test_object_replaced_during_the_merge_is_not_published(s3, families, catalog
 
     s3.proxy.reset()
     # Armed when the first group starts, after headers were read and the plan was made.
-    from mergepipe import execution
+    from mergepipe.execute import group as execution
 
     run = execution.GroupMerger.run
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.execution import LazyExperts
+from mergepipe.execute.group import LazyExperts
 from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta, slabs
 from mergepipe.operators.params import as_rows
 

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load as st_load
 
 from mergepipe.errors import BadInput
-from mergepipe.layout import block_rows, coalesce, layer_group
-from mergepipe.output_layout import plan_output
-from mergepipe.sizes import parse_budget, parse_size
-from mergepipe.spec import load_spec, resolve_params
+from mergepipe.index.blocks import block_rows, coalesce, layer_group
+from mergepipe.plan.output import plan_output
+from mergepipe.config.sizes import parse_budget, parse_size
+from mergepipe.config.spec import load_spec, resolve_params
 from mergepipe.storage.safetensors_format import build_header, parse_header
 
 
@@ -128,7 +128,7 @@ def test_declared_header_over_limit_is_rejected_unallocated():
 
 
 def test_index_reads_runs_of_whole_blocks():
-    from mergepipe.indexing import chunk_blocks
+    from mergepipe.index.stats import chunk_blocks
 
     blocks = [(0, 4), (4, 8), (8, 12), (12, 13)]
     assert chunk_blocks(blocks, row_bytes=100, chunk=800) == [[0, 1], [2, 3]]
@@ -173,7 +173,7 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
     """task_arithmetic computes only the rows an expert was read in when it can, converting the
     stored rows piece by piece: the result is bit-identical to the same operator on whole expert
     tensors (base values elsewhere), with steps that split the row runs and with none."""
-    from mergepipe.execution import LazyExperts
+    from mergepipe.execute.group import LazyExperts
     from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
 
     monkeypatch.setattr(gta, "ROW_STEP_ELEMENTS", step)

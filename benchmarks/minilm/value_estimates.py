@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from benchmarks.minilm.family import DOMAINS, heldout_losses
-from mergepipe.layout import block_rows
+from mergepipe.index.blocks import block_rows
 
 BLOCK_SIZE = 1 << 20  # mergepipe's default
 WEIGHT = 0.25  # the benchmark configs' task_arithmetic weight for each of the four experts

@@ -12,9 +12,9 @@ from typing import Iterator
 
 import duckdb
 
-from .. import progress
-from ..errors import MergepipeError
-from ..home import home
+from mergepipe.tasks import progress
+from mergepipe.errors import MergepipeError
+from mergepipe.config.environment import home
 
 def lock_timeout() -> float:
     """Seconds a writer waits for another process's lock on the catalog file."""

@@ -5,10 +5,10 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from ..family import Family, model_fingerprint
-from ..layout import layer_group
-from ..storage.model_files import ModelFiles
-from .db import transaction
+from mergepipe.index.family import Family, model_fingerprint
+from mergepipe.index.blocks import layer_group
+from mergepipe.storage.model_files import ModelFiles
+from mergepipe.catalog.db import transaction
 
 
 def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Table]:

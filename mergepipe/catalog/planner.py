@@ -6,9 +6,9 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from ..errors import MergepipeError
-from .db import sql_text
-from .ingest import missing_base_energies
+from mergepipe.errors import MergepipeError
+from mergepipe.catalog.db import sql_text
+from mergepipe.catalog.ingest import missing_base_energies
 
 MAX_FILL_ROUNDS = 256
 

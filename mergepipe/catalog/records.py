@@ -7,7 +7,7 @@ from pathlib import Path
 import duckdb
 import pyarrow as pa
 
-from .db import connect, sql_text, transaction
+from mergepipe.catalog.db import connect, sql_text, transaction
 
 
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:

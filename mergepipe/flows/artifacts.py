@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from ..storage.location import is_remote
-from .orchestration import publish_artifact
+from mergepipe.storage.location import is_remote
+from mergepipe.flows.orchestration import publish_artifact
 
 PLAN_KEY = "merge-plan"
 SUMMARY_KEY = "merge-summary"

@@ -16,23 +16,23 @@ from pathlib import Path
 import torch
 from prefect.futures import as_completed, wait
 
-from .. import progress
-from ..errors import BadInput, MergepipeError
-from ..family import Family
-from ..indexing import first_nonfinite
-from ..manifest import MANIFEST_FILE, versions
-from ..planning import Plan
-from ..spec import MergeSpec, load_spec, resolve_tensor_params
-from ..storage import writer
-from ..storage.location import join, set_storage_options
-from ..storage.ledger import ByteLedger
-from ..tasks.index_tasks import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
-from ..tasks.merge_tasks import (
+from mergepipe.tasks import progress
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.index.family import Family
+from mergepipe.index.stats import first_nonfinite
+from mergepipe.publish.manifest import MANIFEST_FILE, versions
+from mergepipe.plan.record import Plan
+from mergepipe.config.spec import MergeSpec, load_spec, resolve_tensor_params
+from mergepipe.storage import writer
+from mergepipe.storage.location import join, set_storage_options
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
+from mergepipe.tasks.merge import (
     finish_output, finished_group, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
 )
-from .artifacts import summary_artifact
-from .orchestration import call_with_retries, in_process, run_task
-from .runners import describe, layer_task_runner
+from mergepipe.flows.artifacts import summary_artifact
+from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
+from mergepipe.flows.runners import describe, layer_task_runner
 
 
 def worker_count() -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from .common import load_config, run_index
+from mergepipe.flows.common import load_config, run_index
 
 
 @flow(name="index-family")

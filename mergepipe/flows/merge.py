@@ -7,13 +7,13 @@ import time
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from ..spec import MergeSpec
-from ..storage.writer import check_destination
-from ..tasks.plan_tasks import plan_merge
-from .artifacts import plan_artifact
-from .common import execute_plan, load_config, now, run_index, worker_count
-from .orchestration import run_task
-from .runners import check_runner
+from mergepipe.config.spec import MergeSpec
+from mergepipe.storage.writer import check_destination
+from mergepipe.tasks.plan import plan_merge
+from mergepipe.flows.artifacts import plan_artifact
+from mergepipe.flows.common import execute_plan, load_config, now, run_index, worker_count
+from mergepipe.flows.orchestration import run_task
+from mergepipe.flows.runners import check_runner
 
 
 def with_run_date(out: str) -> str:

@@ -21,7 +21,7 @@ import random
 import time
 from typing import Any
 
-from ..errors import BadInput
+from mergepipe.errors import BadInput
 
 MODES = ("prefect", "local")
 _in_process: contextvars.ContextVar[bool] = contextvars.ContextVar("mergepipe_in_process", default=False)

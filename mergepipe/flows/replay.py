@@ -7,15 +7,15 @@ import time
 from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from ..errors import BadInput
-from ..manifest import load_access_set, load_manifest, manifest_uri
-from ..planning import build_plan
-from ..spec import MergeSpec
-from ..storage.location import set_storage_options
-from ..storage.writer import check_destination
-from ..tasks.plan_tasks import plans_dir
-from .common import execute_plan, now, run_index, worker_count
-from .runners import check_runner
+from mergepipe.errors import BadInput
+from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri
+from mergepipe.plan.record import build_plan
+from mergepipe.config.spec import MergeSpec
+from mergepipe.storage.location import set_storage_options
+from mergepipe.storage.writer import check_destination
+from mergepipe.tasks.plan import plans_dir
+from mergepipe.flows.common import execute_plan, now, run_index, worker_count
+from mergepipe.flows.runners import check_runner
 
 
 @flow(name="replay", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))

@@ -12,7 +12,7 @@ import logging
 from contextlib import contextmanager
 from typing import Iterator
 
-from ..errors import BadInput
+from mergepipe.errors import BadInput
 
 RUNNERS = ("thread", "dask")
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from ..sizes import parse_budget
-from ..storage.location import join
-from ..tasks.report_tasks import measure_deviation
-from .common import load_config
-from .merge import merge
-from .orchestration import publish_artifact, run_flow, run_task
+from mergepipe.config.sizes import parse_budget
+from mergepipe.storage.location import join
+from mergepipe.tasks.report import measure_deviation
+from mergepipe.flows.common import load_config
+from mergepipe.flows.merge import merge
+from mergepipe.flows.orchestration import publish_artifact, run_flow, run_task
 
 SWEEP_KEY = "budget-sweep"
 

@@ -10,10 +10,10 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .gta import GTA_OPERATORS
-from .interpolation import ModelStock, NuSlerp, Slerp
-from .linear import Linear
-from .params import MergeParams, ParamTable, TensorContext
+from mergepipe.operators.gta import GTA_OPERATORS
+from mergepipe.operators.interpolation import ModelStock, NuSlerp, Slerp
+from mergepipe.operators.linear import Linear
+from mergepipe.operators.params import MergeParams, ParamTable, TensorContext
 
 
 class Operator(Protocol):

@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .params import MergeParams, TensorContext, as_rows, default_keep
-from .slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
-from .sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
+from mergepipe.operators.params import MergeParams, TensorContext, as_rows, default_keep
+from mergepipe.operators.slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
+from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
 # (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
 Sparsifier = Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]

@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .params import MergeParams, TensorContext
-from .reductions import fixed_norm, fixed_sum
+from mergepipe.operators.params import MergeParams, TensorContext
+from mergepipe.operators.reductions import fixed_norm, fixed_sum
 
 SHARED = frozenset({"int8_mask"})
 

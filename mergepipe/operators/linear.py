@@ -14,8 +14,8 @@ from typing import Sequence
 
 import torch
 
-from .gta import scalar_denominator
-from .params import MergeParams, TensorContext
+from mergepipe.operators.gta import scalar_denominator
+from mergepipe.operators.params import MergeParams, TensorContext
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,7 @@ class ParamTable:
 
 
 def default_keep(expert: int, probs: torch.Tensor, ctx: "TensorContext") -> torch.Tensor:
-    from .sparsify import bernoulli_keep_mask
+    from mergepipe.operators.sparsify import bernoulli_keep_mask
 
     return bernoulli_keep_mask(probs, expert, ctx)
 

@@ -21,8 +21,8 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from .params import MergeParams, TensorContext, as_rows
-from .sparsify import block_keep_mask, rescale_factor
+from mergepipe.operators.params import MergeParams, TensorContext, as_rows
+from mergepipe.operators.sparsify import block_keep_mask, rescale_factor
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
 SLAB_ELEMENTS = 1 << 18

@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from .params import TensorContext, as_rows
+from mergepipe.operators.params import TensorContext, as_rows
 
 _RESCALE_EPS = 1e-7
 

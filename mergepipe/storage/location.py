@@ -12,7 +12,7 @@ import posixpath
 import threading
 from typing import Any
 
-from ..errors import BadInput
+from mergepipe.errors import BadInput
 
 _lock = threading.Lock()
 _options: dict[str, Any] = {}

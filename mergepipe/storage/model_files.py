@@ -6,11 +6,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ..errors import BadInput
-from .fingerprints import FileFingerprint
-from .location import is_remote, join, normalize, split
-from .reader import RangeReader, fingerprint, list_folder, read_small_file, stat
-from .safetensors_format import TensorInfo, header_length, parse_header
+from mergepipe.errors import BadInput
+from mergepipe.storage.fingerprints import FileFingerprint
+from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.reader import RangeReader, fingerprint, list_folder, read_small_file, stat
+from mergepipe.storage.safetensors_format import TensorInfo, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -14,11 +14,11 @@ import threading
 from collections import defaultdict
 from dataclasses import dataclass
 
-from ..errors import BadInput, MergepipeError
-from . import remote
-from .fingerprints import FileFingerprint
-from .ledger import ByteLedger
-from .location import is_remote, protocol
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.storage import remote
+from mergepipe.storage.fingerprints import FileFingerprint
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.location import is_remote, protocol
 
 
 @dataclass(frozen=True)

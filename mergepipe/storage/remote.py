@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..errors import BadInput, MergepipeError
-from .fingerprints import FileFingerprint
-from .location import filesystem, fs_path, protocol
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.storage.fingerprints import FileFingerprint
+from mergepipe.storage.location import filesystem, fs_path, protocol
 
 log = logging.getLogger("mergepipe.storage")
 

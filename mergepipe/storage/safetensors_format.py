@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import BadInput
+from mergepipe.errors import BadInput
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is rejected unread
 

@@ -17,14 +17,14 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from ..canonical import digest_of
-from ..errors import BadInput, MergepipeError
-from ..home import home
-from . import remote
-from .ledger import ByteLedger
-from .location import inside, is_remote, join, normalize
-from .model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
-from .reader import read_small_file, stat
+from mergepipe.storage.canonical import digest_of
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.config.environment import home
+from mergepipe.storage import remote
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.location import inside, is_remote, join, normalize
+from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
+from mergepipe.storage.reader import read_small_file, stat
 
 STAGING_MARK = ".mergepipe-staging-"
 # Every name mergepipe writes into an output; a prefix holding only these and no manifest is

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prefect.tasks import exponential_backoff
 
-from ..errors import BadInput
+from mergepipe.errors import BadInput
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import layer_group
-from .storage.safetensors_format import DTYPES, build_header
+from mergepipe.index.blocks import layer_group
+from mergepipe.storage.safetensors_format import DTYPES, build_header
 
 
 def group_sort_key(group: str) -> tuple[int, str]:

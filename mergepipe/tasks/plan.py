@@ -5,14 +5,14 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ..canonical import digest_of
-from ..catalog import db, planner, records
-from ..errors import BadInput, MergepipeError
-from ..family import Family
-from ..indexing import nonfinite_message
-from ..operators import get_operator
-from ..planning import Plan, build_plan, error_bound, full_expert_bytes
-from ..spec import MergeSpec, resolve_tensor_params
+from mergepipe.storage.canonical import digest_of
+from mergepipe.catalog import db, planner, records
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.index.family import Family
+from mergepipe.index.stats import nonfinite_message
+from mergepipe.operators import get_operator
+from mergepipe.plan.record import Plan, build_plan, error_bound, full_expert_bytes
+from mergepipe.config.spec import MergeSpec, resolve_tensor_params
 
 
 def plans_dir(plan: Plan) -> str:

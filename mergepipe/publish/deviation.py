@@ -8,12 +8,12 @@ import math
 
 import torch
 
-from .errors import BadInput
-from .layout import block_rows, byte_range
-from .storage.location import join
-from .storage.model_files import ModelFiles, read_model
-from .storage.reader import RangeReader
-from .storage.safetensors_format import DTYPES, decode
+from mergepipe.errors import BadInput
+from mergepipe.index.blocks import block_rows, byte_range
+from mergepipe.storage.location import join
+from mergepipe.storage.model_files import ModelFiles, read_model
+from mergepipe.storage.reader import RangeReader
+from mergepipe.storage.safetensors_format import DTYPES, decode
 
 CHUNK_BYTES = 64 << 20
 

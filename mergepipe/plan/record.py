@@ -18,11 +18,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .canonical import digest_of, round_sig
-from .family import Family, model_fingerprint
-from .operators import ParamTable, get_operator
-from .spec import MergeSpec, resolve_tensor_params
-from .storage.safetensors_format import CONFIG_DTYPES, DTYPES
+from mergepipe.storage.canonical import digest_of, round_sig
+from mergepipe.index.family import Family, model_fingerprint
+from mergepipe.operators import ParamTable, get_operator
+from mergepipe.config.spec import MergeSpec, resolve_tensor_params
+from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES
 
 ACCESS_SCHEMA = pa.schema(
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .errors import BadInput
+from mergepipe.errors import BadInput
 
 _UNITS = {
     "": 1,

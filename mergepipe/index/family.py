@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .canonical import digest_of
-from .errors import BadInput
-from .storage.model_files import ModelFiles, read_model
-from .storage.reader import RangeReader
-from .storage.safetensors_format import DTYPES
+from mergepipe.storage.canonical import digest_of
+from mergepipe.errors import BadInput
+from mergepipe.storage.model_files import ModelFiles, read_model
+from mergepipe.storage.reader import RangeReader
+from mergepipe.storage.safetensors_format import DTYPES
 
 
 def model_fingerprint(model: ModelFiles) -> str:

@@ -10,19 +10,19 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ..catalog import db, records
-from .. import progress
-from ..errors import BadInput, MergepipeError
-from ..execution import changed_inputs, group_regions, merge_group, output_layout_of
-from ..home import home
-from ..manifest import build_manifest, write_manifest, write_output_files
-from ..output_layout import OutputLayout
-from ..planning import Plan
-from ..storage import writer
-from ..storage.ledger import ByteLedger
-from ..spec import load_spec
-from ..storage.location import is_remote, set_storage_options, storage_options_set
-from . import STORAGE_RETRIES
+from mergepipe.catalog import db, records
+from mergepipe.tasks import progress
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.execute.group import changed_inputs, group_regions, merge_group, output_layout_of
+from mergepipe.config.environment import home
+from mergepipe.publish.manifest import build_manifest, write_manifest, write_output_files
+from mergepipe.plan.output import OutputLayout
+from mergepipe.plan.record import Plan
+from mergepipe.storage import writer
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.config.spec import load_spec
+from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
+from mergepipe.tasks import STORAGE_RETRIES
 
 
 @lru_cache(maxsize=4)

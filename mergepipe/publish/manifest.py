@@ -11,16 +11,16 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from . import __version__
-from .canonical import digest_of
-from .errors import BadInput
-from .output_layout import OutputLayout
-from .planning import Plan, access_set_sha256
-from .storage.ledger import ByteLedger
-from .storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
-from .storage.location import is_remote, join, normalize, split
-from .storage.reader import read_small_file, stat
-from .storage.writer import copy_file, sha256_file, sha256_uri, write_file
+from mergepipe import __version__
+from mergepipe.storage.canonical import digest_of
+from mergepipe.errors import BadInput
+from mergepipe.plan.output import OutputLayout
+from mergepipe.plan.record import Plan, access_set_sha256
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
+from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.reader import read_small_file, stat
+from mergepipe.storage.writer import copy_file, sha256_file, sha256_uri, write_file
 
 FORMAT = "mergepipe-manifest/1"
 

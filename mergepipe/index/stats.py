@@ -24,13 +24,13 @@ import pyarrow.compute as pc
 import torch
 import xxhash
 
-from .canonical import digest_of
-from .errors import BadInput
-from .family import Family, expert_label
-from .layout import block_rows, byte_range, layer_group, row_elems
-from .storage.model_files import ModelFiles
-from .storage.reader import RangeReader, ReadRequest
-from .storage.safetensors_format import DTYPES, decode
+from mergepipe.storage.canonical import digest_of
+from mergepipe.errors import BadInput
+from mergepipe.index.family import Family, expert_label
+from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
+from mergepipe.storage.model_files import ModelFiles
+from mergepipe.storage.reader import RangeReader, ReadRequest
+from mergepipe.storage.safetensors_format import DTYPES, decode
 
 # Changes when the pass's result changes shape (2: base block energies), so cached results of
 # an earlier release are not reused.

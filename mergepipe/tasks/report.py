@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from ..deviation import deviation
+from mergepipe.publish.deviation import deviation
 
 
 @task(name="measure-deviation", cache_policy=NO_CACHE)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from .. import progress
-from ..canonical import digest_of
-from ..catalog import db, ingest
-from ..family import Family, load_family
-from ..indexing import STATS_FORMAT, StatsResult, compute_stats
-from ..storage.ledger import ByteLedger
-from ..storage.reader import RangeReader
-from . import STORAGE_RETRIES
+from mergepipe.tasks import progress
+from mergepipe.storage.canonical import digest_of
+from mergepipe.catalog import db, ingest
+from mergepipe.index.family import Family, load_family
+from mergepipe.index.stats import STATS_FORMAT, StatsResult, compute_stats
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.reader import RangeReader
+from mergepipe.tasks import STORAGE_RETRIES
 
 
 @task(name="read-family-headers", cache_policy=NO_CACHE, **STORAGE_RETRIES)

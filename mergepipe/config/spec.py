@@ -12,12 +12,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import BadInput
-from .layout import layer_count, layer_position
-from .settings import evaluate, parse_setting
-from .sizes import Budget, parse_budget, parse_size
-from .storage.location import is_remote, join, normalize, split
-from .storage.reader import read_small_file, stat
+from mergepipe.errors import BadInput
+from mergepipe.index.blocks import layer_count, layer_position
+from mergepipe.config.settings import evaluate, parse_setting
+from mergepipe.config.sizes import Budget, parse_budget, parse_size
+from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.reader import read_small_file, stat
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
@@ -148,7 +148,7 @@ class MergeSpec(_Strict):
     @field_validator("merge_method")
     @classmethod
     def _known_method(cls, v: str) -> str:
-        from .operators import OPERATORS
+        from mergepipe.operators import OPERATORS
 
         if v not in OPERATORS:
             raise ValueError(f"unknown merge_method {v!r}; known: {', '.join(sorted(OPERATORS))}")
@@ -307,7 +307,7 @@ _PER_EXPERT = ("weight", "density", "gamma", "epsilon")
 def check_parameters(spec: MergeSpec) -> None:
     """What can be checked before the tensor names are known: the model count and that every
     parameter given is one the operator takes (mergekit ignores the others)."""
-    from .operators import get_operator
+    from mergepipe.operators import get_operator
 
     op = get_operator(spec.merge_method)
     g = spec.parameters
@@ -345,7 +345,7 @@ def _resolve(spec: MergeSpec, tensor: str, t: float):
     among `models:` counts only for linear, where the base is a weighted input; a linear config
     that does not list the base weighs it with a global weight if there is one (as mergekit
     adds it as an input), and leaves it out otherwise."""
-    from .operators import MergeParams, get_operator
+    from mergepipe.operators import MergeParams, get_operator
 
     op = get_operator(spec.merge_method)
     g = spec.parameters
@@ -404,7 +404,7 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names):
     """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
 
     Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
-    from .operators import ParamTable
+    from mergepipe.operators import ParamTable
 
     check_parameters(spec)
     names = sorted(tensor_names)

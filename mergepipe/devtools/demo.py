@@ -9,11 +9,11 @@ from typing import Callable
 import torch
 from safetensors import safe_open
 
-from .flows.index_family import index_family
-from .flows.merge import merge, plan
-from .flows.orchestration import run_flow
-from .manifest import verify_output
-from .synthetic import make_family, write_config
+from mergepipe.flows.index_family import index_family
+from mergepipe.flows.merge import merge, plan
+from mergepipe.flows.orchestration import run_flow
+from mergepipe.publish.manifest import verify_output
+from mergepipe.devtools.synthetic import make_family, write_config
 
 
 def _load_output(folder: Path) -> dict[str, torch.Tensor]:
@@ -41,7 +41,7 @@ def run_demo(out: Path, echo: Callable[[str], None] | None = None) -> dict:
         say(f"building a family of 1 base + 3 experts (2 dense fine-tunes, 1 LoRA-style) in {family_dir}")
         family = make_family(family_dir, experts=("dense", "dense", "lora"), n_layers=4, hidden=256, intermediate=512, vocab=1024)
     else:
-        from .synthetic import FamilyPaths
+        from mergepipe.devtools.synthetic import FamilyPaths
 
         family = FamilyPaths(family_dir / "base", sorted(p for p in family_dir.iterdir() if p.name.startswith("expert-")))
     config = write_config(

@@ -14,16 +14,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from .layout import block_rows, byte_range, coalesce
-from .operators import TensorContext, get_operator
-from .operators.params import ExpertRows, as_rows
-from .output_layout import OutputLayout, plan_output
-from .planning import Plan, output_dtype
-from .storage.ledger import ByteLedger
-from .storage.location import is_remote, join
-from .storage.reader import RangeReader, ReadRequest, stat
-from .storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
-from .storage.writer import write_at
+from mergepipe.index.blocks import block_rows, byte_range, coalesce
+from mergepipe.operators import TensorContext, get_operator
+from mergepipe.operators.params import ExpertRows, as_rows
+from mergepipe.plan.output import OutputLayout, plan_output
+from mergepipe.plan.record import Plan, output_dtype
+from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.location import is_remote, join
+from mergepipe.storage.reader import RangeReader, ReadRequest, stat
+from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
+from mergepipe.storage.writer import write_at
 
 # How many tensors ahead of the merge the kernel is asked to read (the first of them is the
 # one being merged). Bounded so that prefetched pages are used before memory pressure could

@@ -1,0 +1,1 @@
+"""Indexing: model headers, family checks, blocks, and the statistics pass (block norms, hashes)."""
