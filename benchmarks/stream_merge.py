@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from mergepipe.index.blocks import block_rows, layer_count, layer_position
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.config.spec import load_spec, resolve_params
+from mergepipe.config.spec import load_spec
+from mergepipe.plan.params import resolve_params
 
 
 def _open(folder: str):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -53,10 +54,22 @@ def _unwrap(err: BaseException) -> BaseException:
     return err
 
 
+class _NoteHandler(logging.Handler):
+    """mergepipe's warnings (a catalog lock being waited for, …) as notes on stderr, through the
+    progress reporter so that they do not garble its bars."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from mergepipe.tasks import progress
+
+        progress.reporter().note(self.format(record))
+
+
 def run_command(fn: Callable[[], Any]) -> Any:
     from mergepipe.tasks import progress
 
     progress.set_reporter(progress.for_terminal())
+    handler = _NoteHandler(logging.WARNING)
+    logging.getLogger("mergepipe").addHandler(handler)
     try:
         return fn()
     except typer.Exit:
@@ -75,28 +88,23 @@ def run_command(fn: Callable[[], Any]) -> Any:
         err_console.print(f"[red]error:[/red] {type(err).__name__}: {escape(str(err))}", highlight=False)
         raise typer.Exit(1)
     finally:
+        logging.getLogger("mergepipe").removeHandler(handler)
         progress.set_reporter(None)
-
-
-def _budget_args(budget: Optional[str], max_error: Optional[float]) -> None:
-    if budget is not None and max_error is not None:
-        raise BadInput("--budget and --max-error: give one, not both")
-    if budget is not None:
-        from mergepipe.config.sizes import parse_budget
-
-        parse_budget(budget, key="--budget")
 
 
 ConfigArg = typer.Argument(..., help="The merge config: a YAML file or an s3:// object.")
 
 
-def _check_config(config: str):
-    """Validate the config before starting any flow (and Prefect's server): bad input fails fast."""
-    from mergepipe.config.spec import check_parameters, load_spec
+def _request(config: str, **kwargs: Any):
+    """The command's validated request, built before any flow (and Prefect's server) starts, so
+    that bad input fails fast; the flow builds it again from the same values."""
+    from mergepipe.config.request import build_request
 
-    spec = load_spec(config)
-    check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
-    return spec
+    return build_request(config, **kwargs)
+
+
+def _catalog(catalog: Optional[Path]) -> Optional[str]:
+    return str(catalog) if catalog else None
 
 
 def _mib(n: int | float) -> str:
@@ -127,11 +135,11 @@ def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json
     """Index a family: headers, then block statistics for experts not indexed yet."""
 
     def go() -> dict:
-        _check_config(config)
+        _request(config, catalog=_catalog(catalog))
         from mergepipe.flows.index_family import index_family
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(index_family, config=str(config), catalog=str(catalog) if catalog else None)
+        return run_flow(index_family, config=str(config), catalog=_catalog(catalog))
 
     result = run_command(go)
     if as_json:
@@ -155,13 +163,11 @@ def plan(
     """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
 
     def go() -> dict:
-        _budget_args(budget, max_error)
-        _check_config(config)
+        _request(config, budget=budget, max_error=max_error, catalog=_catalog(catalog))
         from mergepipe.flows.merge import plan as plan_flow
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(plan_flow, config=str(config), budget=budget, max_error=max_error,
-                        catalog=str(catalog) if catalog else None)
+        return run_flow(plan_flow, config=str(config), budget=budget, max_error=max_error, catalog=_catalog(catalog))
 
     result = run_command(go)
     if as_json:
@@ -198,22 +204,13 @@ def merge(
     """Index, plan and merge; publish the output with its manifest."""
 
     def go() -> dict:
-        _budget_args(budget, max_error)
-        from mergepipe.flows.runners import check_runner
-
-        check_runner(runner, dask_address)
-        spec = _check_config(config)
-        from mergepipe.storage.location import set_storage_options
-        from mergepipe.storage.writer import check_destination
-
-        set_storage_options(spec.storage_options)
-        check_destination(out, overwrite, [spec.base_model, *spec.expert_uris])
+        args = dict(out=str(out), budget=budget, max_error=max_error, overwrite=overwrite, catalog=_catalog(catalog),
+                    runner=runner, dask_address=dask_address)
+        _request(config, **args)
         from mergepipe.flows.merge import merge as merge_flow
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(merge_flow, config=str(config), out=str(out), budget=budget, max_error=max_error,
-                        overwrite=overwrite, catalog=str(catalog) if catalog else None,
-                        runner=runner, dask_address=dask_address)
+        return run_flow(merge_flow, config=str(config), **args)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "merge")
@@ -232,10 +229,9 @@ def sweep(
     """Merge at several budgets and report bytes, seconds, bound and deviation from the full merge."""
 
     def go() -> list[dict]:
-        from mergepipe.flows.sweep import budget_label
         from mergepipe.config.sizes import parse_budget
-        from mergepipe.storage.location import is_remote, join, set_storage_options
-        from mergepipe.storage.writer import check_destination
+        from mergepipe.flows.sweep import budget_label
+        from mergepipe.storage.location import is_remote, join
 
         wanted = [b.strip() for b in budgets.split(",") if b.strip()]
         if not wanted:
@@ -244,17 +240,15 @@ def sweep(
             parse_budget(b, key="--budgets")
         if not any(parse_budget(b).is_full for b in wanted):
             wanted.append("100%")
-        spec = _check_config(config)
-        set_storage_options(spec.storage_options)
         for b in wanted:
-            check_destination(join(out, budget_label(b)), overwrite, [spec.base_model, *spec.expert_uris])
+            spec = _request(config, out=join(out, budget_label(b)), budget=b, overwrite=overwrite, catalog=_catalog(catalog)).spec
         from mergepipe.flows.orchestration import run_flow
         from mergepipe.flows.sweep import budget_sweep
         from mergepipe.publish.report import sweep_report
         from mergepipe.storage.writer import write_file
 
         rows = run_flow(budget_sweep, config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
-                        catalog=str(catalog) if catalog else None)
+                        catalog=_catalog(catalog))
         folder = report or (Path("mergepipe-sweep") if is_remote(out) else Path(out))
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in sweep_report(rows, f"{spec.merge_method} budget sweep of {Path(str(config)).name}").items():
@@ -289,14 +283,14 @@ def replay(
     """Re-execute a manifest's access set and reproduce its digest (refuses changed inputs)."""
 
     def go() -> dict:
-        from mergepipe.flows.runners import check_runner
+        from mergepipe.config.request import check_runner
 
         check_runner(runner, dask_address)
         from mergepipe.flows.orchestration import run_flow
         from mergepipe.flows.replay import replay as replay_flow
 
         return run_flow(replay_flow, manifest=str(manifest), out=str(out), overwrite=overwrite,
-                        catalog=str(catalog) if catalog else None, runner=runner, dask_address=dask_address)
+                        catalog=_catalog(catalog), runner=runner, dask_address=dask_address)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "replay")
@@ -332,9 +326,10 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
         import duckdb
 
         from mergepipe.catalog.records import query_readonly
+        from mergepipe.config.environment import catalog_path
 
         try:
-            return query_readonly(query, catalog)
+            return query_readonly(query, catalog_path(catalog))
         except duckdb.Error as err:
             raise BadInput(f"query: {err}") from None
 
@@ -376,13 +371,43 @@ def demo(out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder 
     """Build a small family, index it, plan and merge it at 25% and 100%, verify the outputs."""
 
     def go() -> dict:
-        from mergepipe.devtools.demo import run_demo
-
-        return run_demo(out, echo=None if as_json else out_console.print)
+        return _run_demo(out.resolve(), (lambda _msg: None) if as_json else out_console.print)
 
     result = run_command(go)
     if as_json:
         _print_json(result)
+
+
+def _run_demo(out: Path, say: Callable[[str], None]) -> dict:
+    """Index the demo family, plan it at 25%, merge it at 100% and 25%, verify both outputs and
+    compare the measured deviation with the bound."""
+    from mergepipe.devtools.demo import demo_config
+    from mergepipe.flows.index_family import index_family
+    from mergepipe.flows.merge import merge as merge_flow
+    from mergepipe.flows.merge import plan as plan_flow
+    from mergepipe.flows.orchestration import run_flow
+    from mergepipe.publish.deviation import deviation
+    from mergepipe.publish.manifest import verify_output
+
+    config = str(demo_config(out, say))
+    catalog = str(out / "catalog.duckdb")
+    idx = run_flow(index_family, config=config, catalog=catalog)
+    say(f"index: {len(idx['indexed_now'])} expert(s) indexed now, {len(idx['already_indexed'])} cached; "
+        f"read {idx['bytes']['expert'] / 2**20:.2f} MiB of experts")
+    p = run_flow(plan_flow, config=config, budget="25%", catalog=catalog)
+    say(f"plan at 25%: {p['expert_bytes_planned'] / 2**20:.2f} of {p['full_expert_bytes'] / 2**20:.2f} MiB, "
+        f"{p['pairs']} (expert, block) pairs, error bound {p['error_bound']:.4g}")
+    results = {}
+    for label, budget in (("full", "100%"), ("25pct", "25%")):
+        r = run_flow(merge_flow, config=config, out=str(out / f"merged-{label}"), budget=budget, overwrite=True, catalog=catalog)
+        v = verify_output(r["out"])
+        results[label] = {**r, "verified": v.ok}
+        say(f"merge at {budget}: read {r['expert_bytes_read'] / 2**20:.2f} MiB of experts "
+            f"(planned {r['expert_bytes_planned'] / 2**20:.2f}), digest {r['digest'][:16]}…, verify {'ok' if v.ok else 'FAILED'}")
+    measured = deviation(str(out / "merged-25pct"), str(out / "merged-full"), idx["base"])["deviation"]
+    bound = results["25pct"]["error_bound"]
+    say(f"‖θ̂(25%) − θ(full)‖_F = {measured:.4g} ≤ bound {bound:.4g}: {'yes' if measured <= bound * (1 + 1e-6) else 'NO'}")
+    return {"out": str(out), "index": idx, "merges": results, "measured_deviation": measured, "error_bound": bound}
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import layer_count, layer_position
 from mergepipe.config.settings import evaluate, parse_setting
-from mergepipe.config.spec import load_spec, resolve_params, resolve_tensor_params
+from mergepipe.config.spec import load_spec
+from mergepipe.plan.params import resolve_params, resolve_tensor_params
 
 
 def test_gradient_is_piecewise_linear_over_layer_position():
@@ -89,10 +90,10 @@ def test_precedence_model_then_global_then_default(tmp_path):
     mlp = resolve_params(spec, "model.layers.1.mlp.up_proj.weight", 1.0)
     attn = resolve_params(spec, "model.layers.1.self_attn.q_proj.weight", 0.5)
     norm = resolve_params(spec, "model.norm.weight", 0.0)
-    assert mlp.weights == (0.5, 1.0) and attn.weights == (0.25, 1.0)  # no match: the global weight
-    assert mlp.densities == (0.5, 1.0) and attn.densities == (0.75, 1.0) and norm.densities == (1.0, 1.0)
-    assert mlp.lam == 2.0 and attn.lam == 1.5 and norm.lam == 1.0
-    assert mlp.normalize is True and norm.normalize is False  # ties' default, then the filter
+    assert mlp["weight"] == (0.5, 1.0) and attn["weight"] == (0.25, 1.0)  # no match: the global weight
+    assert mlp["density"] == (0.5, 1.0) and attn["density"] == (0.75, 1.0) and norm["density"] == (1.0, 1.0)
+    assert mlp["lambda"] == 2.0 and attn["lambda"] == 1.5 and norm["lambda"] == 1.0
+    assert mlp["normalize"] is True and norm["normalize"] is False  # ties' default, then the filter
 
 
 def test_param_table_lists_only_exceptions(tmp_path):
@@ -102,9 +103,9 @@ def test_param_table_lists_only_exceptions(tmp_path):
     })
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.mlp.w" for i in range(3)]
     table = resolve_tensor_params(spec, names)
-    assert [p.weights for p in table.sets] == [(1.0,), (2.0,)]
+    assert [p["weight"] for p in table.sets] == [(1.0,), (2.0,)]
     assert table.by_tensor == {"model.layers.1.mlp.w": 1}
-    assert table.for_tensor("model.layers.1.mlp.w").weights == (2.0,)
+    assert table.for_tensor("model.layers.1.mlp.w")["weight"] == (2.0,)
     assert type(table).from_json(table.as_json()) == table
 
 
@@ -114,22 +115,22 @@ def test_base_among_models(tmp_path):
     # GTA: the base's entry is not an expert and its parameters do not count.
     spec = _spec(tmp_path, {"merge_method": "task_arithmetic", "base_model": "b", "models": base_and_two})
     assert spec.expert_uris == [str(tmp_path / "e0"), str(tmp_path / "e1")]
-    assert resolve_params(spec).weights == (0.5, 0.3) and resolve_params(spec).base_weight is None
+    assert resolve_params(spec)["weight"] == (0.5, 0.3) and resolve_params(spec).base_value("weight") is None
     assert [m["model"] for m in spec.content()["models"]] == ["base", "expert-0", "expert-1"]
     # linear: the base is a weighted input.
     spec = _spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": base_and_two})
-    assert resolve_params(spec).base_weight == 0.2
+    assert resolve_params(spec).base_value("weight") == 0.2
     # linear, base not listed: weighted by a global weight if there is one (mergekit adds it as
     # an input), otherwise not an input.
     two = base_and_two[1:]
-    assert resolve_params(_spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two})).base_weight is None
+    assert resolve_params(_spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two})).base_value("weight") is None
     spec = _spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two, "parameters": {"weight": 0.1}})
-    assert resolve_params(spec).base_weight == 0.1
+    assert resolve_params(spec).base_value("weight") == 0.1
     # linear without a base: the first model is the reference, with its own weight.
     spec = _spec(tmp_path, {"merge_method": "linear", "models": base_and_two[1:] + [{"model": "e2", "parameters": {"weight": 1}}]})
     assert spec.base_model == str(tmp_path / "e0") and len(spec.expert_uris) == 2
     p = resolve_params(spec)
-    assert p.base_weight == 0.5 and p.weights == (0.3, 1.0)
+    assert p.base_value("weight") == 0.5 and p["weight"] == (0.3, 1.0)
     with pytest.raises(BadInput, match="base_model"):
         _spec(tmp_path, {"merge_method": "ties", "models": two})
 

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from mergepipe.operators import OPERATORS, MergeParams, TensorContext
-from mergepipe.operators.interpolation import nuslerp, nuslerp_t
+from mergepipe.operators.nuslerp import nuslerp, nuslerp_t
 from mergepipe.operators.sparsify import della_keep_probs
 
 DATA = Path(__file__).parent / "data"
@@ -30,20 +30,16 @@ def _params(case: dict, op) -> MergeParams:
     base_weight = None
     if case["method"] == "linear" and "base" in case["inputs"]:  # the base as a weighted input
         base_weight = weights.pop(case["inputs"].index("base"))
-    return MergeParams(
-        weights=tuple(weights),
-        densities=tuple(p.get("density", [1.0] * k)),
-        lam=p.get("lambda", 1.0),
-        normalize=p.get("normalize", op.default_normalize),
-        rescale=p.get("rescale", op.default_rescale),
-        gammas=tuple(p.get("gamma", [])),
-        epsilons=tuple(p.get("epsilon", [])),
-        t=p.get("t"),
-        base_weight=base_weight,
-        filter_wise=p.get("filter_wise", False),
-        nuslerp_flatten=p.get("nuslerp_flatten", True),
-        nuslerp_row_wise=p.get("nuslerp_row_wise", False),
-    )
+    values = {
+        "weight": tuple(weights), "density": tuple(p.get("density", [1.0] * k)), "lambda_": p.get("lambda", 1.0),
+        "gamma": tuple(p.get("gamma", [])), "epsilon": tuple(p.get("epsilon", [])), **{
+            name: p[name] for name in ("normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise")
+            if name in p
+        },
+    }
+    # Each operator takes what it declares; the declared defaults fill the rest.
+    return op.params(k, {"weight": base_weight} if base_weight is not None else None,
+                     **{n: v for n, v in values.items() if op.declared(n.rstrip("_")) is not None})
 
 
 def _replay(case: dict):
@@ -57,7 +53,7 @@ def _replay(case: dict):
 
 
 def _rescaled(case: dict, params: MergeParams, op) -> bool:
-    return params.rescale and op.name != "linear" and any(d < 1 for d in params.densities)
+    return op.declared("rescale") is not None and params["rescale"] and any(d < 1 for d in params["density"])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c["case"] for c in CASES])
@@ -69,8 +65,8 @@ def test_operator_matches_mergekit(case):
     params = _params(case, op)
     if case["method"] == "nuslerp" and case["base_index"] is None:
         # mergepipe always has a base; the kernel is the same one.
-        got = nuslerp(nuslerp_t(params.weights), experts[0], experts[1],
-                      flatten=params.nuslerp_flatten, row_wise=params.nuslerp_row_wise)
+        got = nuslerp(nuslerp_t(params["weight"]), experts[0], experts[1],
+                      flatten=params["nuslerp_flatten"], row_wise=params["nuslerp_row_wise"])
     else:
         base = TENSORS[f"{name}/base"]
         ctx = TensorContext(name, ((0, base.shape[0] if base.dim() else 1),), seed=0)

@@ -11,7 +11,8 @@ import yaml
 from mergepipe.flows.merge import merge
 from mergepipe.index.blocks import block_rows
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.config.spec import load_spec, resolve_params
+from mergepipe.config.spec import load_spec
+from mergepipe.plan.params import resolve_params
 from mergepipe.devtools.synthetic import make_family
 
 from .helpers import assert_bit_identical
@@ -40,7 +41,7 @@ def test_new_operator_end_to_end(method, fp32_three, tmp_path, session_catalog):
     per_model, k, shared = CASES[method]
     fam = type(fp32_three)(fp32_three.base, fp32_three.experts[:k])
     weights = [0.6, 0.9, 0.4][:k]
-    takes_weight = "weight" in OPERATORS[method].expert_parameters
+    takes_weight = OPERATORS[method].declared("weight") is not None
     models = [{"model": str(e), "parameters": {**per_model, **({"weight": w} if takes_weight else {})}}
               for e, w in zip(fam.experts, weights)]
     cfg = tmp_path / "m.yaml"

@@ -59,13 +59,14 @@ def _setup(tmp_path, stats, coefs, rank_by="delta"):
     con_cm = db.connect(tmp_path / "cat.duckdb")
     con = con_cm.__enter__()
     from mergepipe.catalog.ingest import ingest_stats
+    from mergepipe.index.tables import model_tables
 
     blocks = pa.Table.from_pylist(
         [{"tensor": f"t{b % 7}", "block": b, "layer": "layer.00000", "row_start": b, "row_end": b + 1, "base_bytes": 4096,
           "base_sq": _base_sq(b)} for b in range(stats.num_rows // 3)],
         schema=BLOCKS_SCHEMA,
     )
-    ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {})
+    ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {}, *model_tables([]))
     per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(len(coefs))] for j in range(7)}
     n = planner.rank_candidates(con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True,
                                 rank_by=rank_by)

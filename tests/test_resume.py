@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mergepipe.execute.group import group_regions, output_layout_of
+from mergepipe.execute.group import group_regions
+from mergepipe.plan import saved
 from mergepipe.flows.merge import merge
 from mergepipe.publish.manifest import verify_output
-from mergepipe.plan.record import Plan
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
 from .helpers import config_for
@@ -43,8 +43,8 @@ def test_killed_merge_resumes_with_the_same_digest_and_fewer_reads(bf16_family, 
     assert len(done) == 3
 
     # One finished group's staged bytes change after the crash: its cache entry must not be trusted.
-    plan = Plan.load(next((Path(os.environ["MERGEPIPE_HOME"]) / "plans").glob(f"{fresh['plan_digest'][:24]}-*")))
-    shard, start, end = group_regions(output_layout_of(plan), done[0])[0]
+    _, layout = saved.load(str(next((Path(os.environ["MERGEPIPE_HOME"]) / "plans").glob(f"{fresh['plan_digest'][:24]}-*"))))
+    shard, start, end = group_regions(layout, done[0])[0]
     with open(staging / shard, "r+b") as f:
         f.seek(start)
         byte = f.read(1)

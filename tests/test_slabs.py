@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe.execute.group import LazyExperts
-from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta, slabs
-from mergepipe.operators.params import as_rows
+from mergepipe.execute.experts import LazyExperts
+from mergepipe.operators import OPERATORS, TensorContext, gta, slabs
+from mergepipe.operators.rows import as_rows
 
 
 def _family(kind: str, g: torch.Generator, rows: int = 53, width: int = 7, k: int = 3):
@@ -109,8 +109,8 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
     g = torch.Generator().manual_seed(sum(map(ord, method + kind)))
     base, experts = _family(kind, g)
-    params = MergeParams(
-        weights=(0.7, -0.4, 1.2), densities=(0.5, 1.0, 0.02), lam=lam, normalize=normalize, rescale=rescale
+    params = OPERATORS["ties"].params(
+        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
     )
     ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
     for planned in PLANS:
@@ -186,7 +186,7 @@ def test_slabs_no_expert_was_read_in_are_not_computed(monkeypatch):
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 7)  # one row per slab
     g = torch.Generator().manual_seed(4)
     base, experts = _family("sparse_base_nonfinite", g)
-    params = MergeParams(weights=(0.7, -0.4, 1.2), densities=(0.5, 1.0, 0.5), normalize=True)
+    params = OPERATORS["ties"].params(3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.5), normalize=True)
     ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
     computed = []
     delta = slabs.SlabMerge.delta
@@ -240,7 +240,7 @@ def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch
     for shape, blocks in [((40,), ((0, 40),)), ((), ((0, 1),)), ((12, 5), ((0, 4), (4, 12)))]:
         base = torch.randn(shape, generator=g)
         experts = [base + torch.randint(-2, 3, shape, generator=g).float() * 0.5 for _ in range(3)]
-        params = MergeParams(weights=(1.0, 0.5, 2.0), densities=(0.5, 0.4, 0.9), normalize=True, rescale=True)
+        params = OPERATORS["ties"].params(3, weight=(1.0, 0.5, 2.0), density=(0.5, 0.4, 0.9), normalize=True, rescale=True)
         ctx = TensorContext("t", blocks, 5)
         for method in ("ties", "dare_ties"):
             slabbed = OPERATORS[method].merge(base, experts, params, ctx)

@@ -13,7 +13,8 @@ from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, coalesce, layer_group
 from mergepipe.plan.output import plan_output
 from mergepipe.config.sizes import parse_budget, parse_size
-from mergepipe.config.spec import load_spec, resolve_params
+from mergepipe.config.spec import load_spec
+from mergepipe.plan.params import resolve_params
 from mergepipe.storage.safetensors_format import build_header, parse_header
 
 
@@ -96,7 +97,7 @@ def test_spec_is_strict_and_errors_name_the_key(tmp_path):
     spec = load_spec(_write(tmp_path, good))
     assert spec.base_model == str((tmp_path / "b").resolve())
     p = resolve_params(spec)
-    assert p.normalize is True and p.densities == (0.5,)
+    assert p["normalize"] is True and p["density"] == (0.5,)
     cases = {
         good + "normalise: true\n": "normalise: unknown key",
         good.replace("density: 0.5", "density: 1.5"): "density",
@@ -173,8 +174,8 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
     """task_arithmetic computes only the rows an expert was read in when it can, converting the
     stored rows piece by piece: the result is bit-identical to the same operator on whole expert
     tensors (base values elsewhere), with steps that split the row runs and with none."""
-    from mergepipe.execute.group import LazyExperts
-    from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
+    from mergepipe.execute.experts import LazyExperts
+    from mergepipe.operators import OPERATORS, TensorContext, gta
 
     monkeypatch.setattr(gta, "ROW_STEP_ELEMENTS", step)
     g = torch.Generator().manual_seed(4)
@@ -195,15 +196,15 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
     whole = [lazy[k] for k in range(3)]
     op = OPERATORS["task_arithmetic"]
     for normalize, lam in [(False, 1.0), (True, 0.7), (False, -1.3)]:
-        params = MergeParams(weights=(0.5, -0.25, 1.5), densities=(1.0,) * 3, lam=lam, normalize=normalize)
+        params = op.params(3, weight=(0.5, -0.25, 1.5), lambda_=lam, normalize=normalize)
         ctx = TensorContext("t", ((0, 40),), 0)
         a = op.merge(base, LazyExperts(base, lambda k: patches.get(k), 3, to_compute), params, ctx)
         b = op.merge(base, whole, params, ctx)
         assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (normalize, lam)
         # and the textbook formula, whole tensors, out of place
-        mixed = sum((x - base) * w for x, w in zip(whole, params.weights))
+        mixed = sum((x - base) * w for x, w in zip(whole, params["weight"]))
         if normalize:
-            mixed = mixed / sum(params.weights)
+            mixed = mixed / sum(params["weight"])
         assert torch.equal(a.view(torch.int32), (base + mixed * lam).view(torch.int32)), (normalize, lam)
 
 
@@ -212,19 +213,17 @@ def test_sign_election_holds_or_recomputes_the_same_deltas(monkeypatch, method):
     """Consensus operators in the whole-tensor form keep the sparsified deltas between their
     two passes when they fit, and compute them again when they do not: bit-identical results
     either way. (TIES and DARE normally run slab by slab: test_slabs.py.)"""
-    from mergepipe.operators import OPERATORS, MergeParams, TensorContext, gta
+    from mergepipe.operators import OPERATORS, TensorContext, gta
 
     monkeypatch.setattr(gta, "SLAB_KEEPS", {})
 
     g = torch.Generator().manual_seed(7)
     base = torch.randn(64, 5, generator=g)
     experts = [base + torch.randn(64, 5, generator=g) * 0.1 for _ in range(3)]
-    params = MergeParams(
-        weights=(0.6, 0.3, 0.9), densities=(0.5, 0.7, 0.3), gammas=(0.01,) * 3, epsilons=(0.1,) * 3,
-        normalize=True, rescale=method.startswith("della"),
-    )
-    ctx = TensorContext("t", ((0, 16), (16, 40), (40, 64)), 3)
     op = OPERATORS[method]
+    values = dict(weight=(0.6, 0.3, 0.9), density=(0.5, 0.7, 0.3), gamma=(0.01,) * 3, epsilon=(0.1,) * 3)
+    params = op.params(3, **{k: v for k, v in values.items() if op.declared(k)}, normalize=True, rescale=method.startswith("della"))
+    ctx = TensorContext("t", ((0, 16), (16, 40), (40, 64)), 3)
     held = op.merge(base, experts, params, ctx)
     monkeypatch.setattr(gta, "HELD_DELTA_BYTES", 0)
     recomputed = op.merge(base, experts, params, ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import time
@@ -12,9 +13,11 @@ from typing import Iterator
 
 import duckdb
 
-from mergepipe.tasks import progress
 from mergepipe.errors import MergepipeError
-from mergepipe.config.environment import home
+
+# The lock-wait note goes to this logger; the CLI shows it on stderr.
+log = logging.getLogger("mergepipe.catalog")
+
 
 def lock_timeout() -> float:
     """Seconds a writer waits for another process's lock on the catalog file."""
@@ -44,11 +47,6 @@ def transaction(con: duckdb.DuckDBPyConnection, **tables) -> Iterator[duckdb.Duc
             con.unregister(name)
 
 
-def default_catalog_path() -> Path:
-    env = os.environ.get("MERGEPIPE_CATALOG")
-    return Path(env).expanduser() if env else home() / "catalog.duckdb"
-
-
 def sql_text(name: str) -> str:
     return resources.files(__package__).joinpath(name).read_text()
 
@@ -59,12 +57,12 @@ def _is_lock_error(err: Exception) -> bool:
 
 
 @contextmanager
-def connect(path: str | Path | None = None, *, read_only: bool = False, timeout: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+def connect(path: str | Path, *, read_only: bool = False, timeout: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection held only for the duration of the block.
 
     DuckDB lets one process at a time open a file for writing and fails at once otherwise;
     we retry with jittered backoff until `timeout`, then say who holds the lock."""
-    path = Path(path) if path is not None else default_catalog_path()
+    path = Path(path)
     timeout = lock_timeout() if timeout is None else timeout
     if read_only and not path.exists():
         raise MergepipeError(f"{path}: no catalog yet (run `mergepipe index` first)")
@@ -85,7 +83,7 @@ def connect(path: str | Path | None = None, *, read_only: bool = False, timeout:
                     f"(MERGEPIPE_CATALOG_LOCK_TIMEOUT); {err}"
                 ) from None
             if waited > 1 and not told:
-                progress.reporter().note(f"{path}: catalog locked by another process; waiting up to {timeout:g} s")
+                log.warning("%s: catalog locked by another process; waiting up to %g s", path, timeout)
                 told = True
             time.sleep(delay * (1 + random.random()))
             delay = min(delay * 2, 1.0)

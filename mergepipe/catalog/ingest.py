@@ -1,59 +1,12 @@
-"""Writing models, tensors and block statistics into the catalog (bulk, through Arrow)."""
+"""Writing models, tensors and block statistics into the catalog (bulk, through Arrow tables that
+the index stage builds)."""
 
 from __future__ import annotations
 
 import duckdb
 import pyarrow as pa
 
-from mergepipe.index.family import Family, model_fingerprint
-from mergepipe.index.blocks import layer_group
-from mergepipe.storage.model_files import ModelFiles
 from mergepipe.catalog.db import transaction
-
-
-def _model_tables(models: list[ModelFiles]) -> tuple[pa.Table, pa.Table, pa.Table]:
-    m_rows, f_rows, t_rows = [], [], []
-    for model in models:
-        fp = model_fingerprint(model)
-        m_rows.append(
-            {
-                "model_fp": fp,
-                "uri": model.uri,
-                "n_tensors": len(model.tensors),
-                "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values()),
-            }
-        )
-        for shard, ffp in model.fingerprints.items():
-            f_rows.append(
-                {"model_fp": fp, "file": shard, "size": ffp.size, "mtime_ns": ffp.mtime_ns,
-                 "ctime_ns": ffp.ctime_ns, "inode": ffp.inode,
-                 "header_bytes": len(model.header_bytes.get(shard, b"")),
-                 "etag": ffp.etag, "version_id": ffp.version_id}
-            )
-        for name, loc in model.tensors.items():
-            t_rows.append(
-                {"model_fp": fp, "name": name, "file": loc.file, "dtype": loc.info.dtype,
-                 "shape": list(loc.info.shape), "byte_start": loc.info.start, "byte_end": loc.info.end,
-                 "layer": layer_group(name)}
-            )
-    tensors = pa.Table.from_pylist(
-        t_rows,
-        schema=pa.schema([("model_fp", pa.string()), ("name", pa.string()), ("file", pa.string()),
-                          ("dtype", pa.string()), ("shape", pa.list_(pa.int64())), ("byte_start", pa.int64()),
-                          ("byte_end", pa.int64()), ("layer", pa.string())]),
-    )
-    files = pa.Table.from_pylist(
-        f_rows,
-        schema=pa.schema([("model_fp", pa.string()), ("file", pa.string()), ("size", pa.int64()),
-                          ("mtime_ns", pa.int64()), ("ctime_ns", pa.int64()), ("inode", pa.int64()),
-                          ("header_bytes", pa.int64()), ("etag", pa.string()), ("version_id", pa.string())]),
-    )
-    models = pa.Table.from_pylist(
-        m_rows,
-        schema=pa.schema([("model_fp", pa.string()), ("uri", pa.string()), ("n_tensors", pa.int64()),
-                          ("tensor_bytes", pa.int64())]),
-    )
-    return models, files, tensors
 
 
 def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
@@ -64,13 +17,6 @@ def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
     )
     con.execute("INSERT OR IGNORE INTO model_files BY NAME SELECT * FROM new_files")
     con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
-
-
-def register_family(con: duckdb.DuckDBPyConnection, family: Family) -> None:
-    """Record every model's files and tensor table."""
-    models, files, tensors = _model_tables([family.base, *family.experts])
-    with transaction(con, new_models=models, new_files=files, new_tensors=tensors):
-        _insert_models(con)
 
 
 def indexed_experts(con: duckdb.DuckDBPyConnection, base_fp: str, expert_fps: list[str], block_size: int) -> set[str]:
@@ -106,14 +52,15 @@ def ingest_stats(
     stats: pa.Table,
     blocks: pa.Table,
     content: dict[str, str],
-    models: list[ModelFiles] = (),
+    models: pa.Table,
+    files: pa.Table,
+    tensors: pa.Table,
 ) -> None:
-    """The models (files, tensors) and all statistics of the indexed experts in one
+    """The models (their files and tensors: index.tables) and all statistics of the indexed experts in one
     transaction, with the base's block layout and their stat_sets rows (an expert with no float
     blocks still gets one, so it counts as indexed). A pass that fails before this leaves the
     catalog as it was."""
-    new_models, new_files, new_tensors = _model_tables(list(models))
-    with transaction(con, new_models=new_models, new_files=new_files, new_tensors=new_tensors,
+    with transaction(con, new_models=models, new_files=files, new_tensors=tensors,
                      new_stats=stats, new_blocks=blocks):
         _insert_models(con)
         con.execute(

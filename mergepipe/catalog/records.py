@@ -51,7 +51,7 @@ def record_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) ->
         )
 
 
-def query_readonly(query: str, path: str | Path | None = None) -> tuple[list[str], list[tuple]]:
+def query_readonly(query: str, path: str | Path) -> tuple[list[str], list[tuple]]:
     """Run a query on a read-only connection: the catalog cannot be changed through it."""
     with connect(path, read_only=True) as con:
         rel = con.execute(query)

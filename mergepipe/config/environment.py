@@ -1,4 +1,5 @@
-"""MERGEPIPE_HOME: where the default catalog, saved plans and the upload spool live."""
+"""Settings from the environment: where local state lives (MERGEPIPE_HOME), the catalog's
+location, how many layer groups run at once. Read here, once per call, and passed down."""
 
 from __future__ import annotations
 
@@ -7,4 +8,33 @@ from pathlib import Path
 
 
 def home() -> Path:
+    """MERGEPIPE_HOME: the default catalog, saved plans, the statistics cache and the upload spool."""
     return Path(os.environ.get("MERGEPIPE_HOME", "~/.mergepipe")).expanduser()
+
+
+def catalog_path(given: str | Path | None = None) -> Path:
+    """The catalog file: the one given (--catalog), else MERGEPIPE_CATALOG, else the home's."""
+    if given:
+        return Path(given).expanduser()
+    env = os.environ.get("MERGEPIPE_CATALOG")
+    return Path(env).expanduser() if env else home() / "catalog.duckdb"
+
+
+def spool_dir() -> Path:
+    """Where outputs bound for an object store are staged before their upload."""
+    return home() / "spool"
+
+
+def plans_root() -> Path:
+    """Where saved plans live for the layer tasks to load."""
+    return home() / "plans"
+
+
+def results_dir() -> Path:
+    """Where Prefect persists task results (the statistics pass's cache)."""
+    return home() / "results"
+
+
+def worker_count() -> int:
+    """MERGEPIPE_WORKERS: layer groups merged at once (default 2)."""
+    return max(1, int(os.environ.get("MERGEPIPE_WORKERS", "2")))

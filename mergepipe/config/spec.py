@@ -1,83 +1,80 @@
 """MergeSpec: the merge configuration, in mergekit's YAML shape plus mergepipe's own keys.
 
 Strict by design: an unknown key anywhere is an error that names it (mergekit silently
-ignores misspelled keys, which is a common source of wrong merges).
+ignores misspelled keys, which is a common source of wrong merges). Parameters are checked
+against what the operators declare (operators/base.py: Parameter): a parameter's name, value
+type and range come from its declaration, and which ones a merge method takes from its own.
+Sizes and the budget are parsed once, at validation.
 """
 
 from __future__ import annotations
 
+import keyword
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
 
-from mergepipe.errors import BadInput
-from mergepipe.index.blocks import layer_count, layer_position
-from mergepipe.config.settings import evaluate, parse_setting
+from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
+from mergepipe.errors import BadInput
+from mergepipe.operators import OPERATORS, declared_parameters, get_operator
 from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.reader import read_small_file, stat
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
 
+def expert_label(i: int) -> str:
+    """How expert i (its position among the experts) is named in plans, ledgers and digests."""
+    return f"expert-{i}"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 
 
-def _in_density_range(v: float) -> None:
-    if not (0.0 < v <= 1.0):
-        raise ValueError(f"density must be in (0, 1], got {v}")
+def _field(name: str) -> str:
+    return name + "_" if keyword.iskeyword(name) else name
 
 
-def _in_share_range(v: float) -> None:
-    if not (0.0 <= v < 1.0):
-        raise ValueError(f"must be in [0, 1), got {v}")
+def _parameters_model(model_name: str, names: list[str]) -> type[BaseModel]:
+    """A strict model with one optional field per parameter name (aliased where the name is a
+    Python keyword, as `lambda`); each value is parsed as its declaration says (settings.py)."""
+    declared = declared_parameters()
+
+    def _setting(cls, v: Any, info) -> Any:
+        p = declared[cls.model_fields[info.field_name].alias or info.field_name]
+        return parse_setting(v, p.kind, p.check)
+
+    fields = {_field(n): (Any, Field(default=None, alias=n if _field(n) != n else None)) for n in sorted(names)}
+    return create_model(
+        model_name, __base__=_Strict, __validators__={"_setting": field_validator("*", mode="before")(_setting)}, **fields
+    )
 
 
-# Each parameter's value type and range. A value may be a scalar, a gradient over the layers or
-# a list of {filter, value} conditions (settings.py); every number in it is checked.
-PARAMETER_KINDS: dict[str, tuple[str, object]] = {
-    "weight": ("float", None),
-    "density": ("float", _in_density_range),
-    "gamma": ("float", _in_share_range),  # breadcrumbs*
-    "epsilon": ("float", _in_share_range),  # della*
-    "lambda": ("float", None),
-    "t": ("float", None),  # slerp
-    "normalize": ("bool", None),
-    "rescale": ("bool", None),
-    "filter_wise": ("bool", None),  # model_stock
-    "nuslerp_flatten": ("bool", None),
-    "nuslerp_row_wise": ("bool", None),
-    "int8_mask": ("bool", None),  # accepted for mergekit configs; changes nothing here
+# The per-model block takes what any operator sets per model; `parameters:` takes every name
+# (a per-model one there is every model's default).
+ModelParameters = _parameters_model("ModelParameters", [n for n, p in declared_parameters().items() if p.per_model])
+GlobalParameters = _parameters_model("GlobalParameters", list(declared_parameters()))
+
+# The parameter names the spec's content held before parameters were declared by operators: they
+# always enter digests (null when unset), so earlier merges' digests hold; a name declared later
+# enters only where it is set.
+_DIGEST_MODEL_KEYS = frozenset({"weight", "density", "gamma", "epsilon"})
+_DIGEST_GLOBAL_KEYS = _DIGEST_MODEL_KEYS | {
+    "lambda", "normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise", "int8_mask",
 }
 
 
-class _Parameters(_Strict):
-    @field_validator("*", mode="before")
-    @classmethod
-    def _setting(cls, v: Any, info) -> Any:
-        kind, check = PARAMETER_KINDS[cls.model_fields[info.field_name].alias or info.field_name]
-        return parse_setting(v, kind, check)
+def parameter_values(params: BaseModel) -> dict[str, Any]:
+    """A parameters block as {mergekit name: parsed setting or None}."""
+    return params.model_dump(by_alias=True)
 
 
-class ModelParameters(_Parameters):
-    weight: Any = None
-    density: Any = None
-    gamma: Any = None
-    epsilon: Any = None
-
-
-class GlobalParameters(ModelParameters):
-    lambda_: Any = Field(default=None, alias="lambda")
-    normalize: Any = None
-    rescale: Any = None
-    t: Any = None
-    filter_wise: Any = None
-    nuslerp_flatten: Any = None
-    nuslerp_row_wise: Any = None
-    int8_mask: Any = None
+def _digest_form(params: BaseModel, always: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in parameter_values(params).items() if k in always or v is not None}
 
 
 class ModelEntry(_Strict):
@@ -95,8 +92,8 @@ _UNSUPPORTED_KEYS = {
 
 class MergeSpec(_Strict):
     merge_method: str
-    # mergekit's linear takes no base; a linear config without one uses its first model as the
-    # reference that deltas are taken against (the _default_base validator).
+    # mergekit's linear takes no base; a config without one, for a method that needs none, uses
+    # its first model as the reference that deltas are taken against (the _default_base validator).
     base_model: str
     models: list[ModelEntry] = Field(min_length=1)
     parameters: GlobalParameters = GlobalParameters()
@@ -121,6 +118,11 @@ class MergeSpec(_Strict):
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
+    # Parsed once, at validation.
+    _budget: Budget = PrivateAttr()
+    _block_size: int = PrivateAttr()
+    _out_shard_size: int = PrivateAttr()
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
@@ -139,17 +141,16 @@ class MergeSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _default_base(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("base_model") is None and data.get("merge_method") == "linear":
+        if isinstance(data, dict) and data.get("base_model") is None and data.get("merge_method") in OPERATORS:
             models = data.get("models")
-            if isinstance(models, list) and models and isinstance(models[0], dict) and "model" in models[0]:
-                data = {**data, "base_model": models[0]["model"]}
+            first = models[0] if isinstance(models, list) and models else None
+            if not OPERATORS[data["merge_method"]].needs_base and isinstance(first, dict) and "model" in first:
+                data = {**data, "base_model": first["model"]}
         return data
 
     @field_validator("merge_method")
     @classmethod
     def _known_method(cls, v: str) -> str:
-        from mergepipe.operators import OPERATORS
-
         if v not in OPERATORS:
             raise ValueError(f"unknown merge_method {v!r}; known: {', '.join(sorted(OPERATORS))}")
         return v
@@ -165,28 +166,42 @@ class MergeSpec(_Strict):
     def _check(self) -> "MergeSpec":
         if self.budget is not None and self.max_error is not None:
             raise ValueError("give either budget or max_error, not both")
-        parse_budget(self.budget)
-        if self.block_size_bytes <= 0:
+        self._budget = parse_budget(self.budget)
+        self._block_size = parse_size(self.block_size, key="block_size")
+        self._out_shard_size = parse_size(self.out_shard_size, key="out_shard_size")
+        if self._block_size <= 0:
             raise ValueError("block_size must be positive")
-        if self.out_shard_size_bytes <= 0:
+        if self._out_shard_size <= 0:
             raise ValueError("out_shard_size must be positive")
         return self
 
     @property
+    def io_budget(self) -> Budget:
+        """The byte budget (100% when none was given); max_error, when set, decides instead."""
+        return self._budget
+
+    @property
     def block_size_bytes(self) -> int:
-        return parse_size(self.block_size, key="block_size")
+        return self._block_size
 
     @property
     def out_shard_size_bytes(self) -> int:
-        return parse_size(self.out_shard_size, key="out_shard_size")
+        return self._out_shard_size
+
+    @property
+    def budget_label(self) -> str:
+        """The budget as the catalog's plans table shows it."""
+        return self._budget.describe() if self.max_error is None else f"max_error={self.max_error}"
+
+    @property
+    def budget_record(self) -> dict:
+        """The budget as a plan records it."""
+        return self._budget.as_json() if self.max_error is None else {"kind": "max_error", "value": self.max_error}
 
     @property
     def rank_by_needs_base(self) -> bool:
         """Whether the ranking needs the base's block energies from the catalog."""
         return self.rank_by == "delta_over_sqrt_base"
-
-    def budget_obj(self) -> Budget:
-        return parse_budget(self.budget)
 
     @property
     def base_entry(self) -> ModelEntry | None:
@@ -195,18 +210,13 @@ class MergeSpec(_Strict):
         return next((m for m in self.models if m.model == self.base_model), None)
 
     @property
-    def expert_entries(self) -> list[ModelEntry]:
-        return [m for m in self.models if m.model != self.base_model]
+    def expert_entries(self) -> list[tuple[int, ModelEntry]]:
+        """(position in `models:`, entry) of each expert, in config order."""
+        return [(i, m) for i, m in enumerate(self.models) if m.model != self.base_model]
 
     @property
     def expert_uris(self) -> list[str]:
-        return [m.model for m in self.expert_entries]
-
-    def with_overrides(self, **changes: Any) -> "MergeSpec":
-        """A copy with some keys replaced (CLI flags such as --budget), validated again."""
-        data = self.model_dump(by_alias=True)
-        data.update(changes)
-        return validate_spec(data, source="command line")
+        return [m.model for _, m in self.expert_entries]
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
@@ -216,17 +226,22 @@ class MergeSpec(_Strict):
         exclude = {"storage_options", "allow_nonfinite", "tokenizer_source"} | ({"rank_by"} if self.rank_by == "delta" else set())
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"
+        data["parameters"] = _digest_form(self.parameters, _DIGEST_GLOBAL_KEYS)
         experts = iter(range(len(self.models)))
         data["models"] = [
             {
-                "model": "base" if m.model == self.base_model else f"expert-{next(experts)}",
-                "parameters": m.parameters.model_dump(by_alias=True),
+                "model": "base" if m.model == self.base_model else expert_label(next(experts)),
+                "parameters": _digest_form(m.parameters, _DIGEST_MODEL_KEYS),
             }
             for m in self.models
         ]
         data["block_size"] = self.block_size_bytes
         data["out_shard_size"] = self.out_shard_size_bytes
         return data
+
+    def recorded(self) -> dict:
+        """The spec as plans and manifests record it: model locations, no storage options."""
+        return self.model_dump(by_alias=True, exclude={"storage_options"})
 
 
 def _format_error(err: ValidationError, source: str) -> str:
@@ -262,9 +277,9 @@ def _resolve_location(uri: str, base_dir: str) -> str:
     return str(path.resolve())
 
 
-def load_spec(path: str | Path) -> MergeSpec:
-    """Read a YAML config (a local file or an s3:// object, read with the environment's
-    credentials); relative model paths are taken relative to the config's folder."""
+def read_config(path: str | Path) -> Any:
+    """The YAML document of a config (a local file or an s3:// object, read with the
+    environment's credentials)."""
     path = str(path)
     if stat(path) is None and not Path(path).is_dir():
         raise BadInput(f"{path}: config file not found")
@@ -277,9 +292,18 @@ def load_spec(path: str | Path) -> MergeSpec:
     except OSError as err:
         raise BadInput(f"{path}: cannot read config: {err.strerror or err}") from None
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise BadInput(f"{path}: not valid YAML: {err}") from None
+
+
+def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> MergeSpec:
+    """Read and validate a config, with `overrides` (command-line values such as the budget)
+    replacing its keys first; relative model paths are taken relative to the config's folder."""
+    path = str(path)
+    data = read_config(path)
+    if overrides and isinstance(data, dict):
+        data = {**data, **overrides}
     spec = validate_spec(data, source=path)
     base_dir = split(path)[0] if is_remote(path) else str(Path(path).resolve().parent)
     for key, ref in [("base_model", spec.base_model)] + [(f"models[{i}].model", m.model) for i, m in enumerate(spec.models)]:
@@ -299,114 +323,23 @@ def load_spec(path: str | Path) -> MergeSpec:
     )
 
 
-# mergekit's defaults for per-model parameters an operator declares but the config leaves out.
-_EXPERT_DEFAULTS = {"density": 1.0, "gamma": 0.01, "epsilon": 0.15}
-_PER_EXPERT = ("weight", "density", "gamma", "epsilon")
-
-
 def check_parameters(spec: MergeSpec) -> None:
-    """What can be checked before the tensor names are known: the model count and that every
-    parameter given is one the operator takes (mergekit ignores the others)."""
-    from mergepipe.operators import get_operator
-
+    """What can be checked before the tensor names are known: the model count, and that every
+    parameter given is one the operator declares (mergekit ignores the others), per model where
+    it is set per model."""
     op = get_operator(spec.merge_method)
-    g = spec.parameters
     k = len(spec.expert_entries)
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
         wanted = str(op.min_experts) if op.max_experts == op.min_experts else f"at least {op.min_experts}"
         raise BadInput(f"models: merge_method {spec.merge_method!r} takes {wanted} model(s) besides the base, got {k}")
-    allowed_shared = op.shared_parameters | op.expert_parameters
-    for name, value in g.model_dump(by_alias=True).items():
-        if value is not None and name not in allowed_shared:
+    per_model = {p.name for p in op.parameters if p.per_model}
+    for name, value in parameter_values(spec.parameters).items():
+        if value is not None and op.declared(name) is None:
             raise BadInput(f"parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
     for i, entry in enumerate(spec.models):
-        for name, value in entry.parameters.model_dump().items():
-            if value is not None and name not in op.expert_parameters:
+        for name, value in parameter_values(entry.parameters).items():
+            if value is not None and name not in per_model:
                 raise BadInput(f"models[{i}].parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
-    if "t" in getattr(op, "required_shared", ()) and g.t is None:
-        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}")
-
-
-def _where(tensor: str) -> str:
-    return f" for tensor {tensor!r}" if tensor else ""
-
-
-def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0):
-    """The parameters of one tensor at layer position t (see _resolve), after check_parameters."""
-    check_parameters(spec)
-    return _resolve(spec, tensor, t)
-
-
-def _resolve(spec: MergeSpec, tensor: str, t: float):
-    """The parameters of one tensor at layer position t, with the operator's defaults.
-
-    Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
-    whose filters do not match the tensor falls through to the next level. The base's entry
-    among `models:` counts only for linear, where the base is a weighted input; a linear config
-    that does not list the base weighs it with a global weight if there is one (as mergekit
-    adds it as an input), and leaves it out otherwise."""
-    from mergepipe.operators import MergeParams, get_operator
-
-    op = get_operator(spec.merge_method)
-    g = spec.parameters
-
-    def shared(name: str, default):
-        v = evaluate(getattr(g, name), tensor, t)
-        return default if v is None else v
-
-    per_expert: dict[str, list[float]] = {n: [] for n in _PER_EXPERT}
-    for i, entry in enumerate(spec.models):
-        if entry.model == spec.base_model:
-            continue
-        for name in _PER_EXPERT:
-            v = evaluate(getattr(entry.parameters, name), tensor, t)
-            v = evaluate(getattr(g, name), tensor, t) if v is None else v
-            if v is None and name == "weight" and "weight" in op.expert_parameters:
-                raise BadInput(
-                    f"models[{i}].parameters.weight: required by merge_method {spec.merge_method!r}"
-                    f"{_where(tensor)} (model {entry.model}); no value, no matching filter and no global weight"
-                )
-            per_expert[name].append(float(_EXPERT_DEFAULTS.get(name, 1.0) if v is None else v))
-        d, e = per_expert["density"][-1], per_expert["epsilon"][-1]
-        if "epsilon" in op.expert_parameters and d < 1 and not (0 < d - e and d + e < 1):
-            raise BadInput(
-                f"models[{i}].parameters.epsilon: density ± epsilon must lie in (0, 1){_where(tensor)}, got {d} ± {e}"
-            )
-    base_weight = None
-    if op.name == "linear":
-        base = spec.base_entry
-        base_weight = evaluate(base.parameters.weight, tensor, t) if base is not None else None
-        base_weight = evaluate(g.weight, tensor, t) if base_weight is None else base_weight
-        if base is not None and base_weight is None:
-            raise BadInput(
-                f"models[{spec.models.index(base)}].parameters.weight: required by merge_method 'linear'"
-                f"{_where(tensor)} (the base, model {base.model})"
-            )
-    if "t" in getattr(op, "required_shared", ()) and shared("t", None) is None:
-        raise BadInput(f"parameters.t: required by merge_method {spec.merge_method!r}{_where(tensor)}; no filter matched")
-    return MergeParams(
-        weights=tuple(per_expert["weight"]),
-        densities=tuple(per_expert["density"]),
-        lam=float(shared("lambda_", 1.0)),
-        normalize=shared("normalize", op.default_normalize),
-        rescale=shared("rescale", op.default_rescale),
-        gammas=tuple(per_expert["gamma"]) if "gamma" in op.expert_parameters else (),
-        epsilons=tuple(per_expert["epsilon"]) if "epsilon" in op.expert_parameters else (),
-        t=shared("t", None),
-        base_weight=None if base_weight is None else float(base_weight),
-        filter_wise=shared("filter_wise", False),
-        nuslerp_flatten=shared("nuslerp_flatten", True),
-        nuslerp_row_wise=shared("nuslerp_row_wise", False),
-    )
-
-
-def resolve_tensor_params(spec: MergeSpec, tensor_names):
-    """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
-
-    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
-    from mergepipe.operators import ParamTable
-
-    check_parameters(spec)
-    names = sorted(tensor_names)
-    n_layers = layer_count(names)
-    return ParamTable.build({name: _resolve(spec, name, layer_position(name, n_layers)) for name in names})
+    for p in op.parameters:
+        if p.required and not p.per_model and parameter_values(spec.parameters)[p.name] is None:
+            raise BadInput(f"parameters.{p.name}: required by merge_method {spec.merge_method!r}")

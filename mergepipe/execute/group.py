@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, NamedTuple
 from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
+from mergepipe.execute.experts import LazyExperts
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
 from mergepipe.operators import TensorContext, get_operator
-from mergepipe.operators.params import ExpertRows, as_rows
-from mergepipe.plan.output import OutputLayout, plan_output
-from mergepipe.plan.record import Plan, output_dtype
+from mergepipe.operators.rows import ExpertRows, as_rows
+from mergepipe.plan.output import OutputLayout
+from mergepipe.plan.record import Plan
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join
-from mergepipe.storage.reader import RangeReader, ReadRequest, stat
+from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode, encode
-from mergepipe.storage.writer import write_at
+from mergepipe.storage.writer import group_record, write_at
 
 # How many tensors ahead of the merge the kernel is asked to read (the first of them is the
 # one being merged). Bounded so that prefetched pages are used before memory pressure could
@@ -31,20 +31,9 @@ from mergepipe.storage.writer import write_at
 PREFETCH_TENSORS = 2
 
 # A base tensor up to this size in fp32 is widened once for its merge. A larger one (an
-# embedding: 544 MB in fp32) stays as stored when the operator merges slab by slab (merge_into):
-# each slab is widened in each pass instead (about 70 us per 256K bf16 elements; a K = 8 ties
-# merge took the same time), and the peak RSS falls by that fp32 copy and the output's.
+# embedding) stays as stored when the operator has a slab form (merge_into): each slab is
+# widened in each pass instead, which cost no time and saves the fp32 copy and the output's.
 WHOLE_BASE_BYTES = 64 << 20
-
-
-def output_layout_of(plan: Plan) -> OutputLayout:
-    spec = plan.spec
-    base = plan.inputs[0]
-    entries = {
-        name: (output_dtype(spec.get("dtype"), spec.get("out_dtype"), dtype), tuple(shape))
-        for name, (_, dtype, shape, _) in base.tensors.items()
-    }
-    return plan_output(entries, plan.merge_spec().out_shard_size_bytes)
 
 
 def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:
@@ -77,11 +66,10 @@ class GroupMerger:
         self.staging = staging
         self.ledger = ledger
         self.reader = RangeReader(ledger)
-        spec = plan.merge_spec()
-        self.op = get_operator(spec.merge_method)
+        self.op = get_operator(plan.merge_method)
         self.params = plan.param_table()
-        self.seed = spec.seed
-        self.compute_dtype = DTYPES[CONFIG_DTYPES[spec.dtype]].torch if spec.dtype else None
+        self.seed = plan.seed
+        self.compute_dtype = DTYPES[CONFIG_DTYPES[plan.dtype]].torch if plan.dtype else None
         # SHA-256 of the bytes this group writes, in layout order: what a resumed merge checks
         # the staged bytes against before it trusts them.
         self.written = hashlib.sha256()
@@ -114,10 +102,9 @@ class GroupMerger:
     def _tensor_reads(self, name: str, wanted: dict) -> TensorReads:
         """The ranges one tensor needs: the whole base tensor and, for a float tensor, each
         expert's planned blocks, coalesced into runs of rows."""
-        file, dtype, shape, start = self.plan.inputs[0].tensors[name]
-        shape = tuple(shape)
-        dt = DTYPES[dtype]
-        base = ReadRequest(self._path(0, file), [(start, start + _nbytes(dt.itemsize, shape))], "base", "base", file)
+        t = self.plan.inputs[0].tensors[name]
+        dt = DTYPES[t.dtype]
+        base = ReadRequest(self._path(0, t.file), [(t.start, t.start + t.nbytes)], "base", "base", t.file)
         runs: dict[int, list[tuple[int, int]]] = {}
         if dt.is_float:
             for k in range(len(self.plan.inputs) - 1):
@@ -135,7 +122,6 @@ class GroupMerger:
         operator walks the experts twice (TIES-style elections), so no byte is read twice."""
         name, runs, requests = reads.name, reads.runs, reads.experts
         _, dtype, shape, _ = self.plan.inputs[0].tensors[name]
-        shape = tuple(shape)
         dt = DTYPES[dtype]
         out = self.layout.tensors[name]
         out_path = self.staging / out.shard
@@ -159,18 +145,18 @@ class GroupMerger:
         ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True)
         params = self.params.for_tensor(name)
         out_dtype = DTYPES[out.dtype].torch
-        merge_into = getattr(self.op, "merge_into", None)
         # A large base is left as stored for an operator that can widen it a slab at a time.
-        widened = None if merge_into is not None and 4 * stored.numel() > WHOLE_BASE_BYTES else self._to_compute(stored)
+        slab_form = self.op.has_slab_form
+        widened = None if slab_form and 4 * stored.numel() > WHOLE_BASE_BYTES else self._to_compute(stored)
         # With the stored base the operator can compare stored bits, when to_compute only widens.
         plain = self.compute_dtype in (None, stored.dtype)
         experts = LazyExperts(widened, planned_rows, len(self.plan.inputs) - 1, self._to_compute, stored, widens=plain)
         merged = None
-        if merge_into is not None:
+        if slab_form:
             # Into the stored base's own buffer when it has the output's dtype: a slab's base
             # rows are not read again once the slab is merged.
             target = stored if stored.dtype == out_dtype else torch.empty(shape, dtype=out_dtype)
-            if merge_into(target, experts, params, ctx):
+            if self.op.merge_into(target, experts, params, ctx):
                 merged = target
         if merged is None:
             merged = self.op.merge(experts.base, experts, params, ctx).to(out_dtype)
@@ -182,93 +168,18 @@ class GroupMerger:
     def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
         """Adjacent planned blocks were coalesced into runs of rows: one range per run."""
         inp = self.plan.inputs[k + 1]
-        file, dtype, shape, start = inp.tensors[name]
-        itemsize = DTYPES[dtype].itemsize
-        ranges = [byte_range(start, tuple(shape), itemsize, r0, r1) for r0, r1 in row_runs]
-        return ReadRequest(self._path(k + 1, file), ranges, "expert", inp.role, file)
+        t = inp.tensors[name]
+        ranges = [byte_range(t.start, t.shape, DTYPES[t.dtype].itemsize, r0, r1) for r0, r1 in row_runs]
+        return ReadRequest(self._path(k + 1, t.file), ranges, "expert", inp.role, t.file)
 
     def _expert_rows(self, k: int, name: str, width: int, row_runs: list[tuple[int, int]], raws: list[bytearray]) -> ExpertRows:
         """The expert's planned rows as stored (rows of the tensor's 2-D view over the read
         buffers, no copy); the operator converts them with to_compute, piece by piece."""
-        dtype = self.plan.inputs[k + 1].tensors[name][1]
+        dtype = self.plan.inputs[k + 1].tensors[name].dtype
         return [((r0, r1), decode(raw, dtype, (r1 - r0, width))) for (r0, r1), raw in zip(row_runs, raws)]
 
     def _to_compute(self, t: torch.Tensor) -> torch.Tensor:
         return _compute(t, self.compute_dtype)
-
-
-class LazyExperts(Sequence):
-    """The experts' tensors as the operator sees them, each built (from the base and its planned
-    rows) when the operator asks for it. Operators that walk the experts one by one then hold
-    one expert-sized tensor at a time, not K of them. An operator with expert_passes == 1 must
-    ask for each expert at most once (its rows are read when asked for), by index or by rows().
-
-    rows(k) gives the planned rows alone (None when nothing is planned), in their stored dtype:
-    an operator that is a sum of weighted deltas need not touch the rest of the tensor, where the
-    delta is zero, and converts them with to_compute (fp32, after any rounding to the config's
-    dtype) a piece at a time.
-
-    base is the fp32 base; with base None it is to_compute(base_stored), made when first asked
-    for (`widened` is None until then, and an operator may widen the stored base a slab at a
-    time instead). base_stored, when given, is the base as stored; widens: to_compute only
-    widens values of its dtype (no rounding to a config dtype), so equal stored bits mean equal
-    fp32 values."""
-
-    def __init__(
-        self, base: torch.Tensor | None, planned_rows: Callable[[int], ExpertRows | None], n: int,
-        to_compute: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(torch.float32),
-        base_stored: torch.Tensor | None = None, widens: bool = False,
-    ) -> None:
-        if base is None and base_stored is None:
-            raise ValueError("LazyExperts needs the base, widened or stored")
-        self.widened, self._rows, self._n = base, planned_rows, n
-        self.to_compute = to_compute
-        self.base_stored = base_stored
-        self.widens = widens
-
-    @property
-    def base(self) -> torch.Tensor:
-        if self.widened is None:
-            self.widened = self.to_compute(self.base_stored)
-        return self.widened
-
-    def __len__(self) -> int:
-        return self._n
-
-    def rows(self, k: int) -> ExpertRows | None:
-        return self._rows(k)
-
-    def __getitem__(self, k: int) -> torch.Tensor:
-        if not 0 <= k < self._n:
-            raise IndexError(k)
-        patch = self._rows(k)
-        if patch is None:
-            return self.base
-        x = self.base.clone()
-        view = as_rows(x)
-        for (r0, r1), values in patch:
-            view[r0:r1] = self.to_compute(values)
-        return x
-
-
-def _nbytes(itemsize: int, shape: tuple[int, ...]) -> int:
-    n = itemsize
-    for s in shape:
-        n *= s
-    return n
-
-
-def changed_inputs(plan: Plan) -> list[str]:
-    """Input files whose fingerprint differs from the plan's: replaced or rewritten while the
-    merge ran (or since it was planned)."""
-    changed = []
-    for inp in plan.inputs:
-        for file, recorded in inp.files.items():
-            path = join(inp.root, file)
-            now = stat(path)
-            if now is None or now.as_json() != recorded:
-                changed.append(path)
-    return changed
 
 
 def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:
@@ -283,3 +194,9 @@ def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> 
     merger = GroupMerger(plan, layout, staging, ledger)
     merger.run(group)
     return {"rows": ledger.rows(), "sha256": merger.written.hexdigest()}
+
+
+def finished_group(layout: OutputLayout, group: str, staging: Path) -> dict | None:
+    """What merging a group an earlier run finished returned, if its mark is there and its staged
+    bytes are still exactly those it wrote (a resumed merge takes it over); else None."""
+    return group_record(staging, group, group_regions(layout, group))

@@ -7,45 +7,41 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import as_completed as futures_completed
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-from prefect.futures import as_completed, wait
 
-from mergepipe.tasks import progress
+from mergepipe.config.environment import results_dir, worker_count
+from mergepipe.config.request import MergeRequest
+from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.execute.group import finished_group
+from mergepipe.flows.artifacts import summary_artifact
+from mergepipe.flows.executor import run_groups
+from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
+from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.stats import first_nonfinite
-from mergepipe.publish.manifest import MANIFEST_FILE, versions
+from mergepipe.plan import saved
+from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
-from mergepipe.config.spec import MergeSpec, load_spec, resolve_tensor_params
+from mergepipe.publish.manifest import MANIFEST_FILE, versions
 from mergepipe.storage import writer
-from mergepipe.storage.location import join, set_storage_options
 from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.location import join
+from mergepipe.tasks import progress
 from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
-from mergepipe.tasks.merge import (
-    finish_output, finished_group, load_plan, merge_layer_group, publish_output, record_run, results_dir, stage_output,
-)
-from mergepipe.flows.artifacts import summary_artifact
-from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
-from mergepipe.flows.runners import describe, layer_task_runner
-
-
-def worker_count() -> int:
-    return max(1, int(os.environ.get("MERGEPIPE_WORKERS", "2")))
+from mergepipe.tasks.merge import finish_output, publish_output, record_run, stage_output
 
 
 @contextmanager
 def torch_threads_per_worker(workers: int) -> Iterator[None]:
     """Give each of `workers` concurrent merge tasks in this process its share of the cores for
-    torch's own threads. With every task at the full count, two tasks on 2 cores ran four
-    threads and spent their time handing work over: a K=8 dare_ties merge took 65 s (16 s of
-    it system time) against 56 s (9 s) with one thread each. Results do not depend on it (the
-    operators' reductions are fixed whatever the thread count)."""
+    torch's own threads: with every task at the full count, tasks on a small machine spend their
+    time handing work over (docs/benchmarks.md). Results do not depend on it (the operators'
+    reductions are fixed whatever the thread count)."""
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, workers)))
     try:
@@ -67,16 +63,7 @@ class IndexOutcome:
     seconds: float = 0.0
 
 
-def load_config(config: str) -> MergeSpec:
-    """The config, read with the environment's credentials (not options a previous run in this
-    process left), whose storage options then apply to this process."""
-    set_storage_options(None)
-    spec = load_spec(config)
-    set_storage_options(spec.storage_options)
-    return spec
-
-
-def run_index(spec: MergeSpec, catalog: str | None) -> IndexOutcome:
+def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
     t0 = time.perf_counter()
     ledger = ByteLedger()
     family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
@@ -121,6 +108,23 @@ def flow_run_id() -> str | None:
         return None
 
 
+@dataclass
+class Execution:
+    """One execution of a saved plan: the request it serves, the plan and where it is saved,
+    what ran before it (the index ledger, timings so far) and, for a replay, the digest it must
+    reproduce."""
+
+    request: MergeRequest
+    plan: Plan
+    plan_dir: str
+    kind: str  # "merge" or "replay"
+    index_ledger: ByteLedger
+    timings: dict
+    started_at: str
+    t0: float
+    expected_digest: str | None = None
+
+
 class _GroupResults:
     """What the layer groups read, wrote and resumed, and who wrote them, as they finish."""
 
@@ -143,87 +147,51 @@ class _GroupResults:
         self.rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
 
 
-def _run_groups_with_prefect(plan_dir, groups, staging, options_from, runner, dask_address, results) -> None:
-    """One Prefect task per group, on the flow's threads or on Dask."""
-    with layer_task_runner(runner, dask_address, worker_count()) as pool:
-        futures = {}
+def _merge_groups(ex: Execution, staging: str, results: _GroupResults) -> None:
+    """Every layer group as its own task; a group an earlier run of this plan finished (a crash
+    left its staging folder) is taken over while its mark and staged bytes are intact."""
+    _, layout = saved.load(ex.plan_dir)
+    rep = results.rep
+    groups = list(layout.groups)
+    rep.start("merge", len(groups), "groups")
+    rep.start("read", ex.plan.base_tensor_bytes + ex.plan.expert_bytes_planned, "B")
+    try:
+        todo = []
         for g in groups:
-            params = {"plan_dir": plan_dir, "group": g, "staging": staging, "options_from": options_from}
-            futures[pool.submit(merge_layer_group, parameters=params) if pool else merge_layer_group.submit(**params)] = g
-        try:
-            for fut in as_completed(list(futures)):
-                results.add(futures[fut], fut.result(), False)
-        finally:
-            wait(list(futures))  # on failure, let running groups stop writing before staging goes
+            done = finished_group(layout, g, Path(staging))
+            if done is not None:
+                results.add(g, done, True)
+            else:
+                todo.append(g)
+        params = [
+            {"plan_dir": ex.plan_dir, "group": g, "staging": staging, "options_from": ex.request.options_from} for g in todo
+        ]
+        with torch_threads_per_worker(worker_count()), run_groups(params, ex.request.runner, worker_count()) as finished:
+            for group, result in finished:
+                results.add(group, result, False)
+    finally:
+        rep.finish("read")
+        rep.finish("merge")
 
 
-def _run_groups_in_process(plan_dir, groups, staging, results) -> None:
-    """The groups' plain functions on a thread pool."""
-    with ThreadPoolExecutor(worker_count()) as pool:
-        futures = {pool.submit(call_with_retries, merge_layer_group, plan_dir, g, staging): g for g in groups}
-        try:
-            for fut in futures_completed(futures):
-                results.add(futures[fut], fut.result(), False)
-        except BaseException:
-            for fut in futures:  # groups not started stay so; running ones finish writing first
-                fut.cancel()
-            raise
-
-
-def execute_plan(
-    plan: Plan,
-    plan_dir: str,
-    out: str,
-    *,
-    overwrite: bool,
-    catalog: str | None,
-    kind: str,
-    index_ledger: ByteLedger,
-    timings: dict,
-    started_at: str,
-    t0: float,
-    expected_digest: str | None = None,
-    runner: str = "thread",
-    dask_address: str | None = None,
-    options_from: str | None = None,
-) -> dict:
-    """Stage, merge every layer group as its own task, hash, write the manifest, publish.
+def execute_plan(ex: Execution) -> dict:
+    """Stage, merge every layer group, hash, write the manifest, publish, record the run.
 
     The execution ledger is kept apart from the index ledger (headers, and statistics of
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
-    _, layout = load_plan(plan_dir)
-    staging = run_task(stage_output, plan_dir, out)
-    rep = progress.reporter()
-    results = _GroupResults(rep)
-    ledger, resumed, resumed_groups, workers = results.ledger, results.resumed, results.resumed_groups, results.workers
+    plan, request, out = ex.plan, ex.request, ex.request.out
+    staging = run_task(stage_output, ex.plan_dir, out)
+    results = _GroupResults(progress.reporter())
+    ledger, resumed = results.ledger, results.resumed
+    runner = describe(request.runner, worker_count())
     try:
         t_merge = time.perf_counter()
-        groups = list(layout.groups)
-        rep.start("merge", len(groups), "groups")
-        rep.start("read", plan.base_tensor_bytes + plan.expert_bytes_planned, "B")
-        try:
-            # Resume: a group an earlier run of this plan finished (a crash left its staging
-            # folder) is taken over while its mark and staged bytes are intact.
-            todo = []
-            for g in groups:
-                done = finished_group(plan_dir, g, staging)
-                if done is not None:
-                    results.add(g, done, True)
-                else:
-                    todo.append(g)
-            with torch_threads_per_worker(worker_count()):
-                if in_process():
-                    _run_groups_in_process(plan_dir, todo, staging, results)
-                else:
-                    _run_groups_with_prefect(plan_dir, todo, staging, options_from, runner, dask_address, results)
-        finally:
-            rep.finish("read")
-            rep.finish("merge")
-        timings["merge"] = time.perf_counter() - t_merge
+        _merge_groups(ex, staging, results)
+        ex.timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
-        output, rows = run_task(finish_output, plan_dir, staging)
+        output, rows = run_task(finish_output, ex.plan_dir, staging)
         ledger.merge(rows)
-        timings["finish"] = time.perf_counter() - t_finish
+        ex.timings["finish"] = time.perf_counter() - t_finish
         expert_read = ledger.total("expert")
         if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
             raise MergepipeError(
@@ -231,72 +199,71 @@ def execute_plan(
                 f"but the plan has {plan.expert_bytes_planned}; not publishing"
             )
         run = {
-            "kind": kind,
-            "started_at": started_at,
+            "kind": ex.kind,
+            "started_at": ex.started_at,
             "finished_at": now(),
-            "wall_seconds": time.perf_counter() - t0,
+            "wall_seconds": time.perf_counter() - ex.t0,
             "flow_run_id": flow_run_id(),
             "versions": versions(),
             "inputs": [{"role": i.role, "uri": i.uri, "files": i.files, "model_fp": i.model_fp} for i in plan.inputs],
             "spec": plan.spec,
             "bytes": ledger.by_role(),
             "ledger": ledger.rows(),
-            "index_bytes": index_ledger.by_role(),
+            "index_bytes": ex.index_ledger.by_role(),
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
-            "resumed": {"groups": sorted(resumed_groups), "bytes": resumed.by_role()},
-            "runner": describe(runner, dask_address, worker_count()),
-            "workers": dict(sorted(workers.items())),
-            "timings": timings,
+            "resumed": {"groups": sorted(results.resumed_groups), "bytes": resumed.by_role()},
+            "runner": runner,
+            "workers": dict(sorted(results.workers.items())),
+            "timings": ex.timings,
         }
-        manifest, rows = run_task(publish_output, plan_dir, staging, out, overwrite, output, run, expected_digest)
+        manifest, rows = run_task(publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest)
         ledger.merge(rows)
     except BaseException:
         writer.discard(Path(staging))
         raise
-    manifest_json = json.dumps(manifest, sort_keys=True)
     run_task(
         record_run,
-        catalog,
+        request.catalog,
         {
-            "run_id": flow_run_id() or f"{plan.plan_digest[:12]}-{started_at}",
-            "kind": kind,
+            "run_id": flow_run_id() or f"{plan.plan_digest[:12]}-{ex.started_at}",
+            "kind": ex.kind,
             "plan_digest": plan.plan_digest,
             "merge_digest": manifest["digest"],
             "out_uri": out,
-            "started_at": datetime.fromisoformat(started_at),
+            "started_at": datetime.fromisoformat(ex.started_at),
             "finished_at": datetime.fromisoformat(run["finished_at"]),
             "wall_seconds": run["wall_seconds"],
             "expert_bytes_planned": plan.expert_bytes_planned,
             "expert_bytes_read": expert_read,
             "base_bytes_read": ledger.total("base"),
-            "header_bytes_read": index_ledger.total("header"),
+            "header_bytes_read": ex.index_ledger.total("header"),
             "output_bytes_written": ledger.total("output"),
             "flow_run_id": flow_run_id(),
         },
-        manifest_json,
+        json.dumps(manifest, sort_keys=True),
     )
     result = {
-        "kind": kind,
+        "kind": ex.kind,
         "digest": manifest["digest"],
         "plan_digest": plan.plan_digest,
         "out": out,
         "manifest": join(out, MANIFEST_FILE),
-        "merge_method": plan.spec["merge_method"],
+        "merge_method": plan.merge_method,
         "budget_bytes": plan.budget_bytes,
         "full_expert_bytes": plan.full_expert_bytes,
         "expert_bytes_planned": plan.expert_bytes_planned,
         "expert_bytes_read": expert_read,
         "bytes": ledger.by_role(),
-        "index_bytes": index_ledger.by_role(),
-        "resumed_groups": sorted(resumed_groups),
-        "runner": describe(runner, dask_address, worker_count()),
-        "workers": sorted(set(workers.values())),
+        "index_bytes": ex.index_ledger.by_role(),
+        "resumed_groups": sorted(results.resumed_groups),
+        "runner": runner,
+        "workers": sorted(set(results.workers.values())),
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
         "pairs": plan.n_pairs,
-        "wall_seconds": time.perf_counter() - t0,
-        "timings": timings,
+        "wall_seconds": time.perf_counter() - ex.t0,
+        "timings": ex.timings,
         "flow_run_id": flow_run_id(),
     }
     summary_artifact(result)

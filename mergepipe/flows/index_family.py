@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from prefect import flow
 
-from mergepipe.flows.common import load_config, run_index
+from mergepipe.config.request import build_request
+from mergepipe.config.spec import expert_label
+from mergepipe.flows.common import run_index
 
 
 @flow(name="index-family")
 def index_family(config: str, catalog: str | None = None) -> dict:
-    spec = load_config(config)
-    outcome = run_index(spec, catalog)
+    request = build_request(config, catalog=catalog)
+    spec = request.spec
+    outcome = run_index(spec, request.catalog)
     return {
         "base": spec.base_model,
         "experts": spec.expert_uris,
@@ -20,7 +23,7 @@ def index_family(config: str, catalog: str | None = None) -> dict:
         "bytes": outcome.ledger.by_role(),
         "content_sha256": {
             "base": outcome.content[outcome.family.base_fp],
-            **{f"expert-{i}": outcome.content[fp] for i, fp in enumerate(outcome.family.expert_fps())},
+            **{expert_label(i): outcome.content[fp] for i, fp in enumerate(outcome.family.expert_fps())},
         },
         "wall_seconds": outcome.seconds,
     }

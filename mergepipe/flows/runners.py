@@ -12,29 +12,14 @@ import logging
 from contextlib import contextmanager
 from typing import Iterator
 
-from mergepipe.errors import BadInput
-
-RUNNERS = ("thread", "dask")
-
-
-def check_runner(runner: str, dask_address: str | None) -> None:
-    if runner not in RUNNERS:
-        raise BadInput(f"runner: unknown {runner!r} (one of: {', '.join(RUNNERS)})")
-    if dask_address and runner != "dask":
-        raise BadInput("dask_address: only with runner 'dask'")
-    if runner == "dask":
-        try:
-            import prefect_dask  # noqa: F401
-        except ImportError:
-            raise BadInput("runner 'dask' needs prefect-dask: install mergepipe[dask]") from None
-
+from mergepipe.config.request import Runner
 
 @contextmanager
-def layer_task_runner(runner: str, dask_address: str | None, workers: int) -> Iterator[object | None]:
+def layer_task_runner(runner: Runner, workers: int) -> Iterator[object | None]:
     """None for the flow's thread pool; else an entered DaskTaskRunner, on the cluster at
     `dask_address`, or on a LocalCluster of `workers` single-threaded worker processes."""
-    check_runner(runner, dask_address)
-    if runner == "thread":
+    dask_address = runner.dask_address
+    if runner.kind == "thread":
         yield None
         return
     from prefect_dask import DaskTaskRunner
@@ -51,7 +36,7 @@ def layer_task_runner(runner: str, dask_address: str | None, workers: int) -> It
         yield dask
 
 
-def describe(runner: str, dask_address: str | None, workers: int) -> str:
-    if runner == "thread":
+def describe(runner: Runner, workers: int) -> str:
+    if runner.kind == "thread":
         return f"thread ({workers} threads)"
-    return f"dask ({dask_address})" if dask_address else f"dask (LocalCluster, {workers} workers)"
+    return f"dask ({runner.dask_address})" if runner.dask_address else f"dask (LocalCluster, {workers} workers)"

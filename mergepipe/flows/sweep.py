@@ -6,12 +6,12 @@ from __future__ import annotations
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from mergepipe.config.request import build_request
 from mergepipe.config.sizes import parse_budget
-from mergepipe.storage.location import join
-from mergepipe.tasks.report import measure_deviation
-from mergepipe.flows.common import load_config
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import publish_artifact, run_flow, run_task
+from mergepipe.storage.location import join
+from mergepipe.tasks.report import measure_deviation
 
 SWEEP_KEY = "budget-sweep"
 
@@ -55,7 +55,7 @@ def budget_sweep(
             }
         )
     full = next(row for row, b in zip(rows, budgets) if parse_budget(b).is_full)
-    base = load_config(config).base_model
+    base = build_request(config).spec.base_model
     for row in rows:
         row.update(run_task(measure_deviation, row["out"], full["out"], base))
     publish_artifact(create_table_artifact, key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")

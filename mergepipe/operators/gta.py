@@ -17,12 +17,15 @@ sparsifiers are deterministic). So a huge tensor never has K delta-sized buffers
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
-from mergepipe.operators.params import MergeParams, TensorContext, as_rows, default_keep
+from mergepipe.operators.base import (
+    DENSITY, EPSILON, GAMMA, INT8_MASK, LAMBDA, WEIGHT, ExpertSource, MergeParams, Operator, Parameter, TensorContext,
+    as_rows, flag,
+)
+from mergepipe.operators.draws import default_keep
 from mergepipe.operators.slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
 from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
@@ -35,19 +38,19 @@ def no_sparsify(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorConte
 
 
 def magnitude(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
-    return magnitude_prune(tau, params.densities[i], params.rescale)
+    return magnitude_prune(tau, params["density"][i], params["rescale"])
 
 
 def dare(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
-    return random_drop(tau, params.densities[i], params.rescale, i, ctx)
+    return random_drop(tau, params["density"][i], params["rescale"], i, ctx)
 
 
 def breadcrumbs(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
-    return magnitude_outliers(tau, params.densities[i], params.gammas[i], params.rescale)
+    return magnitude_outliers(tau, params["density"][i], params["gamma"][i], params["rescale"])
 
 
 def della(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
-    return della_prune(tau, params.densities[i], params.epsilons[i], params.rescale, i, ctx)
+    return della_prune(tau, params["density"][i], params["epsilon"][i], params["rescale"], i, ctx)
 
 
 def scalar_denominator(weights: Sequence[float]) -> float:
@@ -55,44 +58,45 @@ def scalar_denominator(weights: Sequence[float]) -> float:
     return 1.0 if abs(den) < 1e-8 else den
 
 
-@dataclass(frozen=True)
-class GeneralizedTaskArithmetic:
-    name: str
-    sparsify: Sparsifier
-    consensus: bool
-    default_normalize: bool
-    default_rescale: bool
-    expert_parameters: frozenset[str]
-    shared_parameters: frozenset[str] = frozenset({"lambda", "normalize", "rescale", "int8_mask"})
-    min_experts: int = 1
-    max_experts: int | None = None
+class GeneralizedTaskArithmetic(Operator):
+    """One member of the family, configured by keyword: its sparsifier, whether it elects signs
+    (consensus), its normalize and rescale defaults, and the per-model parameters it takes."""
 
     zero_coefficient_unused = True  # the delta is multiplied by w (or lambda) before anything else
+    has_slab_form = True
 
-    @property
-    def expert_passes(self) -> int:
-        return 2 if self.consensus else 1  # a sign election, then the accumulation
+    def __init__(
+        self, name: str, *, sparsify: Sparsifier, consensus: bool, normalize: bool, rescale: bool,
+        per_model: tuple[Parameter, ...] = (WEIGHT, DENSITY),
+    ) -> None:
+        self.name, self.sparsify, self.consensus = name, sparsify, consensus
+        self.parameters = (*per_model, LAMBDA, flag("normalize", normalize), flag("rescale", rescale), INT8_MASK)
+        self.expert_passes = 2 if consensus else 1  # a sign election, then the accumulation
+        # The error bound of DESIGN.md holds only when the result is linear in each delta with
+        # fixed coefficients: no sparsification, no sign election.
+        self.additive = sparsify is no_sparsify and not consensus
 
-    @property
-    def uses_density(self) -> bool:
-        return "density" in self.expert_parameters
+    def check(self, params: MergeParams) -> tuple[str, int, str] | None:
+        if self.declared("epsilon") is None:
+            return None
+        for i, (d, e) in enumerate(zip(params["density"], params["epsilon"])):
+            if d < 1 and not (0 < d - e and d + e < 1):  # DELLA's keep probabilities must be probabilities
+                return "epsilon", i, f"density ± epsilon must lie in (0, 1), got {d} ± {e}"
+        return None
 
-    @property
-    def additive(self) -> bool:
-        """The error bound of DESIGN.md holds only when the result is linear in each delta with
-        fixed coefficients: no sparsification, no sign election."""
-        return self.sparsify is no_sparsify and not self.consensus
+    def __repr__(self) -> str:
+        return f"GeneralizedTaskArithmetic({self.name!r})"
 
     def coefficients(self, params: MergeParams) -> list[float]:
         """|c_k| in out = base + sum_k c_k * delta_k (exact when additive, a proxy otherwise)."""
-        den = scalar_denominator(params.weights) if params.normalize else 1.0
-        return [abs(params.lam * w / den) for w in params.weights]
+        den = scalar_denominator(params["weight"]) if params["normalize"] else 1.0
+        return [abs(params["lambda"] * w / den) for w in params["weight"]]
 
     def _delta(self, base: torch.Tensor, x: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
         # sparsify gets a fresh delta it may change in place; the weight is applied in place too
-        return self.sparsify(x - base, params, i, ctx).mul_(params.weights[i])
+        return self.sparsify(x - base, params, i, ctx).mul_(params["weight"][i])
 
-    def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
         merged = self._merge_in_slabs(base, experts, params, ctx)
         if merged is not None:
             return merged
@@ -119,32 +123,32 @@ class GeneralizedTaskArithmetic:
                 # products with 0 or 1 are exact, so these fused forms round as num += d * agree
                 # and den += agree * w do, without their two tensor-sized temporaries
                 num.addcmul_(d, agree)
-                den.add_(agree, alpha=params.weights[i])
+                den.add_(agree, alpha=params["weight"][i])
             den[den == 0] = 1
-            mixed = num / den if params.normalize else num
+            mixed = num / den if params["normalize"] else num
         else:
             mixed = torch.zeros_like(base)
-            if self.sparsify is no_sparsify and hasattr(experts, "rows"):
+            if self.sparsify is no_sparsify:
                 # A plain weighted sum: only the rows an expert was read in carry a delta, so only
                 # they are computed (the same element operations, in the same order, as below).
                 for i in range(len(experts)):
-                    _add_weighted_rows(as_rows(mixed), as_rows(base), experts.rows(i) or (), params.weights[i], experts.to_compute)
+                    _add_weighted_rows(as_rows(mixed), as_rows(base), experts.rows(i) or (), params["weight"][i], experts.to_compute)
             else:
                 for i, x in enumerate(experts):
                     mixed += self._delta(base, x, params, i, ctx)
-            if params.normalize:
-                mixed.div_(scalar_denominator(params.weights))
+            if params["normalize"]:
+                mixed.div_(scalar_denominator(params["weight"]))
         # base + mixed * lam, in place (addition commutes bit for bit): no whole-tensor temporaries
-        return mixed.mul_(params.lam).add_(base)
+        return mixed.mul_(params["lambda"]).add_(base)
 
-    def merge_into(self, out: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> bool:
+    def merge_into(self, out: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> bool:
         """merge() written into `out` (any float dtype, rounded as .to() rounds), slab by slab,
-        from a LazyExperts' stored base widened a slab at a time when it holds no fp32 base:
+        from the source's stored base widened a slab at a time when it holds no fp32 base:
         no tensor-sized fp32 buffer at all. `out` may be the stored base's own buffer. False
         (nothing written) where only merge() can do it: no election, or a case the slab form
         does not take."""
-        base = getattr(experts, "widened", None)
-        if not self.consensus or (base is None and getattr(experts, "base_stored", None) is None):
+        base = experts.widened
+        if not self.consensus or (base is None and experts.base_stored is None):
             return False
         slabbed = self._slab_merge(base, experts, params, ctx)
         if slabbed is None or not all(slabbed.prepare(i) for i in range(len(experts))):
@@ -152,7 +156,7 @@ class GeneralizedTaskArithmetic:
         slabbed.elect(out)
         return True
 
-    def _merge_in_slabs(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
+    def _merge_in_slabs(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
         """The slab-by-slab form (slabs.py) where it applies; None where the whole-tensor form
         must run."""
         slabbed = self._slab_merge(base, experts, params, ctx)
@@ -167,16 +171,16 @@ class GeneralizedTaskArithmetic:
             slabbed.prepare(i)
             slabbed.add_into(mixed, i)
             slabbed.deltas.release(i)
-        if params.normalize:
-            mixed.div_(scalar_denominator(params.weights))
-        return mixed.mul_(params.lam).add_(base)
+        if params["normalize"]:
+            mixed.div_(scalar_denominator(params["weight"]))
+        return mixed.mul_(params["lambda"]).add_(base)
 
-    def _slab_merge(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> SlabMerge | None:
+    def _slab_merge(self, base: torch.Tensor | None, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> SlabMerge | None:
         """The slab form of this merge; None where it does not apply: other sparsifiers, replayed
         masks, blocks that do not tile the rows, a base that is not fp32, whole expert tensors of
         another dtype or shape, sums without an election other than DARE's or without a widened
         base. TIES over infinities or NaN (unless its threshold is 0) is found by prepare().
-        base None: the experts are a LazyExperts whose stored base is widened slab by slab."""
+        base None: the source's stored base is widened slab by slab."""
         keep = SLAB_KEEPS.get(self.sparsify)
         if keep is None:
             return None
@@ -191,7 +195,7 @@ class GeneralizedTaskArithmetic:
             return None
         if keep is RandomKeep and ctx.keep is not default_keep:
             return None
-        if not hasattr(experts, "rows") and any(x.dtype != base.dtype or x.shape != base.shape for x in experts):
+        if not experts.slab_ready:
             return None
         return SlabMerge(base, experts, params, ctx, keep)
 
@@ -222,12 +226,16 @@ def _add_weighted_rows(mixed_rows, base_rows, rows, weight: float, to_compute) -
 
 
 GTA_OPERATORS = (
-    GeneralizedTaskArithmetic("task_arithmetic", no_sparsify, False, False, False, frozenset({"weight", "density"})),
-    GeneralizedTaskArithmetic("ties", magnitude, True, True, False, frozenset({"weight", "density"})),
-    GeneralizedTaskArithmetic("dare_linear", dare, False, False, True, frozenset({"weight", "density"})),
-    GeneralizedTaskArithmetic("dare_ties", dare, True, False, True, frozenset({"weight", "density"})),
-    GeneralizedTaskArithmetic("breadcrumbs", breadcrumbs, False, False, False, frozenset({"weight", "density", "gamma"})),
-    GeneralizedTaskArithmetic("breadcrumbs_ties", breadcrumbs, True, False, False, frozenset({"weight", "density", "gamma"})),
-    GeneralizedTaskArithmetic("della", della, True, True, True, frozenset({"weight", "density", "epsilon"})),
-    GeneralizedTaskArithmetic("della_linear", della, False, False, True, frozenset({"weight", "density", "epsilon"})),
+    GeneralizedTaskArithmetic("task_arithmetic", sparsify=no_sparsify, consensus=False, normalize=False, rescale=False),
+    GeneralizedTaskArithmetic("ties", sparsify=magnitude, consensus=True, normalize=True, rescale=False),
+    GeneralizedTaskArithmetic("dare_linear", sparsify=dare, consensus=False, normalize=False, rescale=True),
+    GeneralizedTaskArithmetic("dare_ties", sparsify=dare, consensus=True, normalize=False, rescale=True),
+    GeneralizedTaskArithmetic("breadcrumbs", sparsify=breadcrumbs, consensus=False, normalize=False, rescale=False,
+                              per_model=(WEIGHT, DENSITY, GAMMA)),
+    GeneralizedTaskArithmetic("breadcrumbs_ties", sparsify=breadcrumbs, consensus=True, normalize=False, rescale=False,
+                              per_model=(WEIGHT, DENSITY, GAMMA)),
+    GeneralizedTaskArithmetic("della", sparsify=della, consensus=True, normalize=True, rescale=True,
+                              per_model=(WEIGHT, DENSITY, EPSILON)),
+    GeneralizedTaskArithmetic("della_linear", sparsify=della, consensus=False, normalize=False, rescale=True,
+                              per_model=(WEIGHT, DENSITY, EPSILON)),
 )

@@ -9,40 +9,33 @@ in input order in fp32 with multiply-add (as mergekit 0.1.5); a weight sum of ze
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
+from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.gta import scalar_denominator
-from mergepipe.operators.params import MergeParams, TensorContext
 
 
-@dataclass(frozen=True)
-class Linear:
-    name: str = "linear"
-    default_normalize: bool = True
-    default_rescale: bool = False
-    expert_parameters: frozenset[str] = frozenset({"weight"})
-    shared_parameters: frozenset[str] = frozenset({"normalize", "int8_mask"})
-    required_shared: frozenset[str] = frozenset()
-    min_experts: int = 1
-    max_experts: int | None = None
-    uses_density: bool = False
-    additive: bool = True
-    zero_coefficient_unused: bool = True
-    expert_passes: int = 1
+class Linear(Operator):
+    name = "linear"
+    parameters = (WEIGHT, flag("normalize", True), INT8_MASK)
+    additive = True
+    needs_base = False  # mergekit's linear takes none; the first model is then the reference
+    base_weighted = True
+    zero_coefficient_unused = True
 
     def _all_weights(self, params: MergeParams) -> list[float]:
-        return ([params.base_weight] if params.base_weight is not None else []) + list(params.weights)
+        base_weight = params.base_value("weight")
+        return ([base_weight] if base_weight is not None else []) + list(params["weight"])
 
     def coefficients(self, params: MergeParams) -> list[float]:
-        den = scalar_denominator(self._all_weights(params)) if params.normalize else 1.0
-        return [abs(w / den) for w in params.weights]
+        den = scalar_denominator(self._all_weights(params)) if params["normalize"] else 1.0
+        return [abs(w / den) for w in params["weight"]]
 
-    def merge(self, base: torch.Tensor, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext) -> torch.Tensor:
-        inputs = itertools.chain([base] if params.base_weight is not None else [], experts)  # one at a time
+    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+        weighted_base = [base] if params.base_value("weight") is not None else []
+        inputs = itertools.chain(weighted_base, experts)  # one at a time
         acc = torch.zeros_like(base)
         for w, x in zip(self._all_weights(params), inputs):
             acc.addcmul_(x, torch.tensor(w, dtype=acc.dtype))
-        return acc / scalar_denominator(self._all_weights(params)) if params.normalize else acc
+        return acc / scalar_denominator(self._all_weights(params)) if params["normalize"] else acc

@@ -32,3 +32,18 @@ def fixed_norm(flat: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(flat)
     parts = np.array([float(torch.linalg.vector_norm(c)) for c in _chunks(flat)], dtype=np.float64)
     return torch.tensor(np.sqrt(np.square(parts).sum()), dtype=flat.dtype)
+
+
+def _last_dim(x: torch.Tensor, fn_fixed, fn_torch) -> torch.Tensor:
+    """A reduction over the last dim, keepdim; one-output reductions go through `fn_fixed`."""
+    if x.shape[:-1].numel() == 1:
+        return fn_fixed(x.reshape(-1)).reshape(*x.shape[:-1], 1)
+    return fn_torch(x)
+
+
+def norm_last(x: torch.Tensor) -> torch.Tensor:
+    return _last_dim(x, fixed_norm, lambda v: torch.norm(v, dim=-1, keepdim=True))
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    return _last_dim(x, fixed_sum, lambda v: torch.sum(v, dim=-1, keepdim=True))

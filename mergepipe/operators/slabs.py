@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from mergepipe.operators.params import MergeParams, TensorContext, as_rows
+from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
 from mergepipe.operators.sparsify import block_keep_mask, rescale_factor
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
@@ -49,17 +49,15 @@ def tiles(block_rows: Sequence[tuple[int, int]], n_rows: int) -> bool:
 
 class ExpertDeltas:
     """Each expert's delta x_i - base for a slab of rows, built from the base and the rows the
-    expert was read in (a LazyExperts), or from whole tensors (any other sequence).
+    expert was read in (its ExpertSource's rows; plain tensors are read in every row).
 
-    base None: the experts are a LazyExperts that has not widened its stored base, and base(a, b)
-    widens the stored rows a slab at a time (the last slab kept, as the K experts of a slab ask
-    for it in turn). That saves the fp32 copy of a whole tensor (544 MB for a 136M-element
-    embedding) for a widening of each slab in each pass (about 70 us per 256K elements)."""
+    base None: the source has not widened its stored base, and base(a, b) widens the stored rows
+    a slab at a time (the last slab kept, as the K experts of a slab ask for it in turn). That
+    saves the fp32 copy of a whole tensor for a widening of each slab in each pass."""
 
-    def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor]) -> None:
-        self._lazy = hasattr(experts, "rows")
-        self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute if self._lazy else (lambda t: t)
-        stored = getattr(experts, "base_stored", None) if self._lazy else None
+    def __init__(self, base: torch.Tensor | None, experts: ExpertSource) -> None:
+        self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute
+        stored = experts.base_stored
         if base is None and stored is None:
             raise ValueError("ExpertDeltas needs a base, or experts that hold the stored base")
         self._base_rows = None if base is None else as_rows(base)
@@ -74,7 +72,7 @@ class ExpertDeltas:
         self._starts: dict[int, list[int]] = {}  # each expert's run starts, for bisect
         self._finite: dict[tuple[int, int], bool] = {}
         # nonzero() compares stored bits where to_compute only widens the stored base's dtype
-        comparable = stored is not None and getattr(experts, "widens", False) and stored.element_size() in _BITS
+        comparable = stored is not None and experts.widens and stored.element_size() in _BITS
         self._stored_rows = self._stored_base_rows if comparable else None
         self._same_dtype: dict[int, bool] = {}
 
@@ -87,12 +85,9 @@ class ExpertDeltas:
         return self._last[1]
 
     def fetch(self, i: int) -> None:
-        """Ask for expert i's rows (a LazyExperts reads them now, if it has not already)."""
+        """Ask for expert i's rows (the executor's source reads them now, if it has not already)."""
         if i not in self._runs:
-            if self._lazy:
-                self._runs[i] = sorted(self._experts.rows(i) or [], key=lambda run: run[0][0])
-            else:
-                self._runs[i] = [((0, self.n_rows), as_rows(self._experts[i]))]
+            self._runs[i] = sorted(self._experts.rows(i) or [], key=lambda run: run[0][0])
             self._starts[i] = [r0 for (r0, _), _ in self._runs[i]]
             # nonzero() compares stored bits only where every run is stored as the base is
             self._same_dtype[i] = self._stored_rows is not None and all(
@@ -150,7 +145,7 @@ class ExpertDeltas:
 
     def tau(self, i: int, a: int, b: int) -> torch.Tensor:
         """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
-        LazyExperts builds it), so unplanned rows give base - base."""
+        the executor builds it), so unplanned rows give base - base."""
         for (r0, r1), values in self._runs[i]:
             if r0 <= a and b <= r1:  # one run covers the slab: no copy of the base's rows
                 stored = values[a - r0 : b - r0]
@@ -306,7 +301,7 @@ class MagnitudeKeep:
 
     def whole_tensor_only(self, i: int) -> bool:
         """Prepare expert i; True when it needs the whole-tensor form (infinities or NaN)."""
-        density, n = self.params.densities[i], self.deltas.numel
+        density, n = self.params["density"][i], self.deltas.numel
         k = max(1, int(density * n))
         if density >= 1.0 or k >= n:
             self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
@@ -329,7 +324,7 @@ class MagnitudeKeep:
         """Whether the whole-tensor form leaves expert i's delta alone, unscaled too (with a
         zero threshold or k = n it still rescales, by exactly 1, or by NaN when |delta|
         sums to an infinity or NaN)."""
-        return self.params.densities[i] >= 1.0
+        return self.params["density"][i] >= 1.0
 
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         cut = self._cut[i]
@@ -375,14 +370,14 @@ class RandomKeep:
         packed = self._packed.pop((i, block), None)
         if packed is not None:
             return torch.from_numpy(np.unpackbits(packed, count=shape[0] * shape[1]).view(np.bool_).reshape(shape))
-        density = torch.tensor(self.params.densities[i], dtype=torch.float32)
+        density = torch.tensor(self.params["density"][i], dtype=torch.float32)
         mask = block_keep_mask(self.ctx, i, block, density.expand(shape))
         if i in self._recording:
             self._packed[(i, block)] = np.packbits(mask.numpy().reshape(-1))
         return mask
 
     def keeps_all(self, i: int) -> bool:
-        return self.params.densities[i] >= 1.0
+        return self.params["density"][i] >= 1.0
 
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         block, a, b = slab
@@ -408,8 +403,8 @@ KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "
 class SlabMerge:
     """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab."""
 
-    def __init__(self, base: torch.Tensor | None, experts: Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
-        """base None: widened from the LazyExperts' stored base slab by slab (ExpertDeltas)."""
+    def __init__(self, base: torch.Tensor | None, experts: ExpertSource, params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
+        """base None: widened from the source's stored base slab by slab (ExpertDeltas)."""
         self.base, self.params = base, params
         self.deltas = ExpertDeltas(base, experts)
         self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
@@ -422,10 +417,10 @@ class SlabMerge:
         self.deltas.fetch(i)
         if self.keeps.whole_tensor_only(i):
             return False
-        if self.params.rescale:
+        if self.params["rescale"]:
             self._ratio[i] = self._rescale_ratio(i)
         ratio = self._ratio.get(i)
-        if math.isfinite(self.params.weights[i]) and (ratio is None or bool(torch.isfinite(ratio))):
+        if math.isfinite(self.params["weight"][i]) and (ratio is None or bool(torch.isfinite(ratio))):
             self._inert.add(i)
         return True
 
@@ -460,7 +455,7 @@ class SlabMerge:
         without rescaling), times the rescale factor, times w_i."""
         tau = self.deltas.tau(i, slab[1], slab[2])
         mask = self.keeps.keep(i, slab, tau)
-        if self.params.rescale:
+        if self.params["rescale"]:
             if mask is not None:
                 tau = tau * mask.to(tau.dtype)
             ratio = self._ratio.get(i)
@@ -469,7 +464,7 @@ class SlabMerge:
                 tau = tau * ratio
         elif mask is not None:
             tau.mul_(mask)
-        return tau.mul_(self.params.weights[i])
+        return tau.mul_(self.params["weight"][i])
 
     def elect(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """TIES-style: in each slab, the sign of the summed deltas, then the sum (and with
@@ -484,7 +479,7 @@ class SlabMerge:
         in_place = out is self.base  # the fp32 base itself: unchanged rows need no writing
         direct = out.dtype == torch.float32  # else each slab is made in a buffer, then rounded
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
-        untouched = 0.0 * params.lam if math.isfinite(params.lam) else None
+        untouched = 0.0 * params["lambda"] if math.isfinite(params["lambda"]) else None
         # The sums, the agreement mask and the rounded result reuse five buffers: fresh
         # slab-sized tensors for each slab cost more than the arithmetic on them (a K = 8
         # slab: 15.4 ms against 6.8 ms).
@@ -516,10 +511,10 @@ class SlabMerge:
                 for i, d in zip(live, ds):
                     torch.mul(d, sign, out=agree).gt_(0)
                     num.addcmul_(d, agree)
-                    den.add_(agree, alpha=params.weights[i])
+                    den.add_(agree, alpha=params["weight"][i])
                 den.masked_fill_(den == 0, 1)
-                mixed = num.div_(den) if params.normalize else num
-                torch.add(mixed.mul_(params.lam), deltas.base(a, b), out=target)
+                mixed = num.div_(den) if params["normalize"] else num
+                torch.add(mixed.mul_(params["lambda"]), deltas.base(a, b), out=target)
             if not direct:
                 out_rows[a:b].copy_(target)
         return out

@@ -10,38 +10,15 @@ in fp64 by numpy's single-threaded pairwise sum (torch's fp32 sum changes with t
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import numpy as np
 import torch
 
-from mergepipe.operators.params import TensorContext, as_rows
+from mergepipe.operators.base import TensorContext
+from mergepipe.operators.draws import bernoulli_keep_mask, block_keep_mask, block_seed  # noqa: F401 (part of this module's face)
 
 _RESCALE_EPS = 1e-7
-
-
-def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:
-    """A 63-bit seed for one (spec seed, expert position, tensor, block)."""
-    h = hashlib.sha256(f"{seed}/{expert}/{tensor}/{block}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & (2**63 - 1)
-
-
-def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext) -> torch.Tensor:
-    """Keep-mask, P(keep) = probs (one per element of the delta), drawn block by block (rows of
-    dim 0) from seeded generators: uniform draws in fp32, kept where draw < p."""
-    p_rows = as_rows(probs)
-    mask = torch.empty(p_rows.shape, dtype=torch.bool)
-    for b, (r0, r1) in enumerate(ctx.block_rows):
-        mask[r0:r1] = block_keep_mask(ctx, expert, b, p_rows[r0:r1])
-    return mask.reshape(probs.shape)
-
-
-def block_keep_mask(ctx: TensorContext, expert: int, block: int, p_rows: torch.Tensor) -> torch.Tensor:
-    """One block's keep-mask: its own seeded generator's uniform fp32 draws, kept where
-    draw < p (p_rows: the block's rows of keep probabilities)."""
-    g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, block))
-    return torch.rand(p_rows.shape, generator=g, dtype=torch.float32) < p_rows
 
 
 def l1_rescale(original: torch.Tensor, pruned: torch.Tensor) -> torch.Tensor:

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from mergepipe.index.blocks import layer_group
-from mergepipe.storage.safetensors_format import DTYPES, build_header
+from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, build_header, tensor_nbytes
+
+if TYPE_CHECKING:
+    from mergepipe.plan.record import Plan
 
 
 def group_sort_key(group: str) -> tuple[int, str]:
@@ -70,9 +75,7 @@ def plan_output(entries: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes
     size = 0
     for name in order:
         dtype, shape = entries[name]
-        n = DTYPES[dtype].itemsize
-        for s in shape:
-            n *= s
+        n = tensor_nbytes(dtype, shape)
         if shards[-1] and size + n > max_shard_bytes:
             shards.append([])
             size = 0
@@ -90,3 +93,14 @@ def plan_output(entries: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes
     return OutputLayout(tuple(out_shards), out_tensors, {g: tuple(groups[g]) for g in ordered_groups})
 
 
+def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype: str) -> str:
+    """out_dtype, else the compute dtype if one was asked for, else the base's dtype."""
+    if not DTYPES[base_dtype].is_float:
+        return base_dtype
+    chosen = spec_out_dtype or spec_dtype
+    return CONFIG_DTYPES[chosen] if chosen else base_dtype
+
+
+def output_layout_of(plan: Plan) -> OutputLayout:
+    entries = {name: (output_dtype(plan.dtype, plan.out_dtype, t.dtype), t.shape) for name, t in plan.inputs[0].tensors.items()}
+    return plan_output(entries, plan.out_shard_size)

@@ -1,28 +1,26 @@
 """Plans: which (expert, block) pairs a merge reads, what that costs, and what it may lose.
 
 A plan is canonical data: its digest is the SHA-256 of (spec content, input content digests,
-block size, access set). It is saved as plan.json + access.parquet so that layer tasks, on any
-worker, get it by path rather than as a parameter.
+block size, access set). It is saved (storage.plans) so that layer tasks, on any worker, get it
+by path rather than as a parameter.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-import os
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from typing import NamedTuple
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from mergepipe.storage.canonical import digest_of, round_sig
+from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.index.family import Family, model_fingerprint
 from mergepipe.operators import ParamTable, get_operator
-from mergepipe.config.spec import MergeSpec, resolve_tensor_params
-from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES
+from mergepipe.plan.params import resolve_tensor_params
+from mergepipe.storage.canonical import digest_of, round_sig
+from mergepipe.storage.safetensors_format import tensor_nbytes
 
 ACCESS_SCHEMA = pa.schema(
     [
@@ -55,21 +53,44 @@ def error_bound(omitted: pa.Table) -> float:
     return math.sqrt(math.fsum(math.fsum(v) ** 2 for v in per_block.values()))
 
 
+class TensorEntry(NamedTuple):
+    """Where one input tensor lies: its shard, dtype, shape and first byte in the shard."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_nbytes(self.dtype, self.shape)
+
+
 @dataclass
 class InputModel:
-    role: str  # "base" or "expert-<i>"
+    role: str  # "base" or expert_label(i)
     uri: str
     root: str  # the folder that shard names are relative to
     model_fp: str
     content_sha256: str
     files: dict[str, dict]  # shard -> its fingerprint
-    tensors: dict[str, list]  # name -> [file, dtype, shape, start]
+    tensors: dict[str, TensorEntry]
     sidecars: list[str] = field(default_factory=list)
+
+    def as_json(self) -> dict:
+        data = asdict(self)
+        data["tensors"] = {n: [t.file, t.dtype, list(t.shape), t.start] for n, t in self.tensors.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> "InputModel":
+        tensors = {n: TensorEntry(f, d, tuple(shape), start) for n, (f, d, shape, start) in data["tensors"].items()}
+        return cls(**{**data, "tensors": tensors})
 
 
 def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]:
     out = []
-    for role, model in [("base", family.base)] + [(f"expert-{i}", e) for i, e in enumerate(family.experts)]:
+    for role, model in [("base", family.base)] + [(expert_label(i), e) for i, e in enumerate(family.experts)]:
         fp = model_fingerprint(model)
         out.append(
             InputModel(
@@ -79,7 +100,10 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
                 model_fp=fp,
                 content_sha256=content[fp],
                 files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},
-                tensors={n: [loc.file, loc.info.dtype, list(loc.info.shape), loc.info.start] for n, loc in sorted(model.tensors.items())},
+                tensors={
+                    n: TensorEntry(loc.file, loc.info.dtype, tuple(loc.info.shape), loc.info.start)
+                    for n, loc in sorted(model.tensors.items())
+                },
                 sidecars=list(model.sidecars),
             )
         )
@@ -89,8 +113,14 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
 @dataclass
 class Plan:
     plan_digest: str
-    spec: dict  # the full spec (with model locations, without storage options)
+    spec: dict  # the full spec as recorded (with model locations, without storage options)
     spec_content: dict  # the spec as it enters digests
+    # What execution needs of the spec, typed once here.
+    merge_method: str
+    seed: int
+    dtype: str | None  # the config's `dtype`: inputs are rounded to it on load
+    out_dtype: str | None
+    out_shard_size: int
     params: dict  # a ParamTable: the operator's parameters per tensor
     inputs: list[InputModel]
     block_size: int
@@ -111,10 +141,7 @@ class Plan:
     @property
     def base_tensor_bytes(self) -> int:
         """Bytes of the base's tensors: the execution reads each once."""
-        return sum(DTYPES[dtype].itemsize * math.prod(shape) for _, dtype, shape, _ in self.inputs[0].tensors.values())
-
-    def merge_spec(self) -> MergeSpec:
-        return MergeSpec.model_validate(self.spec)
+        return sum(t.nbytes for t in self.inputs[0].tensors.values())
 
     def param_table(self) -> ParamTable:
         return ParamTable.from_json(self.params)
@@ -135,26 +162,16 @@ class Plan:
             "bound_guaranteed": self.bound_guaranteed,
         }
 
-    def save(self, folder: str | Path) -> Path:
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        data = asdict(self)
-        data.pop("access")
-        tmp = folder / "plan.json.tmp"
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        pq.write_table(self.access, folder / "access.parquet.tmp")
-        os.replace(folder / "access.parquet.tmp", folder / "access.parquet")
-        os.replace(tmp, folder / "plan.json")
-        return folder
+    def as_json(self) -> dict:
+        """Everything but the access set (saved beside it as a table)."""
+        data = {k: v for k, v in self.__dict__.items() if k not in ("access", "inputs")}
+        data["inputs"] = [i.as_json() for i in self.inputs]
+        return data
 
     @classmethod
-    def load(cls, folder: str | Path) -> "Plan":
-        folder = Path(folder)
-        data = json.loads((folder / "plan.json").read_text())
-        data["inputs"] = [InputModel(**i) for i in data["inputs"]]
-        plan = cls(**data)
-        plan.access = pq.read_table(folder / "access.parquet").cast(ACCESS_SCHEMA)
-        return plan
+    def from_json(cls, data: dict, access: pa.Table) -> "Plan":
+        return cls(**{**data, "inputs": [InputModel.from_json(i) for i in data["inputs"]]},
+                   access=access.cast(ACCESS_SCHEMA))
 
 
 def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int, access_sha: str) -> str:
@@ -195,15 +212,19 @@ def build_plan(
     for e, b in zip(access["expert"].to_pylist(), access["bytes"].to_pylist()):
         planned[e] += b
     full = full_expert_bytes(family)
-    spec_full = spec.model_dump(by_alias=True, exclude={"storage_options"})
     return Plan(
         plan_digest=plan_digest_of(spec_content, inputs, spec.block_size_bytes, access_sha),
-        spec=spec_full,
+        spec=spec.recorded(),
         spec_content=spec_content,
+        merge_method=spec.merge_method,
+        seed=spec.seed,
+        dtype=spec.dtype,
+        out_dtype=spec.out_dtype,
+        out_shard_size=spec.out_shard_size_bytes,
         params=params.as_json(),
         inputs=inputs,
         block_size=spec.block_size_bytes,
-        budget=spec.budget_obj().as_json() if spec.max_error is None else {"kind": "max_error", "value": spec.max_error},
+        budget=spec.budget_record,
         budget_bytes=budget_bytes,
         full_expert_bytes=full,
         planned_bytes=planned,
@@ -214,11 +235,3 @@ def build_plan(
         n_pairs=access.num_rows,
         access=access,
     )
-
-
-def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype: str) -> str:
-    """out_dtype, else the compute dtype if one was asked for, else the base's dtype."""
-    if not DTYPES[base_dtype].is_float:
-        return base_dtype
-    chosen = spec_out_dtype or spec_dtype
-    return CONFIG_DTYPES[chosen] if chosen else base_dtype

@@ -31,16 +31,16 @@ def index_json(layout: OutputLayout) -> bytes:
 
 
 def versions() -> dict:
-    import duckdb
-    import prefect
-    import torch
+    """What produced the output (outside the digest). Read from the installed distributions, so
+    publishing imports no orchestration code."""
+    from importlib.metadata import version
 
     return {
         "mergepipe": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "duckdb": duckdb.__version__,
-        "prefect": prefect.__version__,
+        "torch": version("torch"),
+        "duckdb": version("duckdb"),
+        "prefect": version("prefect"),
     }
 
 

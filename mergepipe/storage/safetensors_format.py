@@ -42,6 +42,11 @@ DTYPES: dict[str, DType] = {
 CONFIG_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "float64": "F64"}
 
 
+def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    """Bytes of a tensor of a safetensors dtype and shape."""
+    return DTYPES[dtype].itemsize * math.prod(shape)
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     name: str

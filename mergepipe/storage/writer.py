@@ -19,7 +19,6 @@ from pathlib import Path
 
 from mergepipe.storage.canonical import digest_of
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.config.environment import home
 from mergepipe.storage import remote
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import inside, is_remote, join, normalize
@@ -94,21 +93,22 @@ def _check_remote_destination(out: str, overwrite: bool) -> None:
         )
 
 
-def staging_dir(out: str, key: str) -> Path:
+def staging_dir(out: str, key: str, spool: Path | None = None) -> Path:
     """Where the output for `out` is staged, named by `key` (the plan digest), so a merge run
     again after a crash finds the bytes its first run wrote. Local output: a hidden folder beside
-    it (same file system, so the rename is atomic). Remote output: a folder in MERGEPIPE_HOME's
-    spool."""
+    it (same file system, so the rename is atomic). Remote output: a folder in `spool`."""
     if is_remote(out):
-        return home() / "spool" / f"{digest_of(out)[:12]}{STAGING_MARK}{key[:16]}"
+        if spool is None:
+            raise ValueError(f"{out}: staging an object-store output needs a local spool folder")
+        return spool / f"{digest_of(out)[:12]}{STAGING_MARK}{key[:16]}"
     return Path(out).parent / f".{Path(out).name}{STAGING_MARK}{key[:16]}"
 
 
-def open_staging(out: str, key: str, shards: list[tuple[str, bytes, int]]) -> tuple[Path, bool]:
+def open_staging(out: str, key: str, shards: list[tuple[str, bytes, int]], spool: Path | None = None) -> tuple[Path, bool]:
     """The staging folder with every shard (name, header, size) in place. An existing folder
     whose shards have their sizes and headers is kept (True: a resumed merge); anything else
     there is wiped and the shards are created afresh."""
-    staging = staging_dir(out, key)
+    staging = staging_dir(out, key, spool)
     if staging.is_dir() and all(_shard_in_place(staging / name, header, size) for name, header, size in shards):
         return staging, True
     shutil.rmtree(staging, ignore_errors=True)

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergepipe.tasks import progress
-from mergepipe.storage.canonical import digest_of
 from mergepipe.catalog import db, ingest
 from mergepipe.index.family import Family, load_family
 from mergepipe.index.stats import STATS_FORMAT, StatsResult, compute_stats
+from mergepipe.index.tables import model_tables
+from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
-from mergepipe.tasks import STORAGE_RETRIES
+from mergepipe.tasks import STORAGE_RETRIES, progress
 
 
 @task(name="read-family-headers", cache_policy=NO_CACHE, **STORAGE_RETRIES)
@@ -24,7 +26,7 @@ def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, 
 
 
 @task(name="look-up-family", cache_policy=NO_CACHE)
-def look_up_family(family: Family, block_size: int, catalog: str | None) -> tuple[set[str], dict[str, str], bool]:
+def look_up_family(family: Family, block_size: int, catalog: Path) -> tuple[set[str], dict[str, str], bool]:
     """Which experts are already indexed, the known content digests, and whether the base's block
     energies are known. Writes nothing: a family is recorded only with its statistics, so a pass
     that fails leaves no trace."""
@@ -47,9 +49,7 @@ def stats_cache_key(context, parameters: dict) -> str:
 @task(name="compute-block-stats", cache_key_fn=stats_cache_key, persist_result=True, **STORAGE_RETRIES)
 def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
     ledger = ByteLedger()
-    total = sum(
-        loc.info.nbytes for i in positions for loc in family.experts[i].tensors.values()
-    )
+    total = sum(loc.info.nbytes for i in positions for loc in family.experts[i].tensors.values())
     rep = progress.reporter()
     rep.start("index", total, "B")
     try:
@@ -61,8 +61,8 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 
 
 @task(name="ingest-block-stats", cache_policy=NO_CACHE)
-def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: str | None) -> None:
+def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: Path) -> None:
     with db.connect(catalog) as con:
         fps = family.expert_fps()
         ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.blocks,
-                            result.content, models=[family.base, *family.experts])
+                            result.content, *model_tables([family.base, *family.experts]))

@@ -1,87 +1,22 @@
-"""The planning task: rank in SQL, choose the access set, save the plan."""
+"""The planning task: choose the access set (plan.choose) and save the plan for the layer tasks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from mergepipe.storage.canonical import digest_of
-from mergepipe.catalog import db, planner, records
-from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.config.environment import plans_root
+from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
-from mergepipe.index.stats import nonfinite_message
-from mergepipe.operators import get_operator
-from mergepipe.plan.record import Plan, build_plan, error_bound, full_expert_bytes
-from mergepipe.config.spec import MergeSpec, resolve_tensor_params
-
-
-def plans_dir(plan: Plan) -> str:
-    """Where a plan is saved for its tasks. The digest identifies content only, so the folder
-    also keys on the inputs' locations and fingerprints: the same plan over another copy of the
-    family must not share (or overwrite) this one's file."""
-    where = digest_of([[i.uri, i.model_fp] for i in plan.inputs])
-    return str(db.home() / "plans" / f"{plan.plan_digest[:24]}-{where[:12]}")
-
-
-def check_nonfinite(spec: MergeSpec, family: Family, budget_bytes: int, first, n: int, omitted: int, nbytes: int) -> None:
-    """Blocks whose delta is NaN or Inf: refused unless allow_nonfinite, and then never left
-    out (the error of omitting one has no bound)."""
-    if first is None:
-        return
-    expert, tensor, block = first
-    if not spec.allow_nonfinite:
-        raise BadInput(nonfinite_message(expert, family.experts[expert].uri, tensor, block))
-    if omitted:
-        raise BadInput(
-            f"budget: {budget_bytes} bytes leave out {omitted} of the {n} blocks whose delta is NaN or Inf "
-            f"(first: expert {expert}, tensor {tensor!r} block {block}); with allow_nonfinite every one is read, "
-            f"which takes at least {nbytes} bytes"
-        )
+from mergepipe.plan import saved
+from mergepipe.plan.choose import choose_plan
+from mergepipe.plan.record import Plan
 
 
 @task(name="plan-merge", cache_policy=NO_CACHE)
-def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog: str | None) -> tuple[Plan, list[dict], str]:
+def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path) -> tuple[Plan, list[dict], str]:
     """Returns the plan, its explain rows, and the folder it was saved in."""
-    op = get_operator(spec.merge_method)
-    table = resolve_tensor_params(spec, family.base.tensors)
-    per_set = [op.coefficients(p) for p in table.sets]
-    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
-    expert_fps = family.expert_fps()
-    full = full_expert_bytes(family)
-    with db.connect(catalog) as con:
-        n = planner.rank_candidates(
-            con, family.base_fp, spec.block_size_bytes, expert_fps, coefficients, skip_zero=op.zero_coefficient_unused,
-            rank_by=spec.rank_by,
-        )
-        if spec.max_error is not None:
-            budget_bytes = planner.select_within_error(con, spec.max_error, n)
-        else:
-            budget_bytes = spec.budget_obj().resolve(full)
-            planner.select_within_bytes(con, budget_bytes)
-        check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
-        access = planner.selected_pairs(con)
-        plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)),
-                          params=table)
-        # Budget soundness is a property of the plan, checked before any expert byte is read.
-        if plan.expert_bytes_planned > budget_bytes:
-            raise MergepipeError(f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}")
-        records.save_plan(
-            con,
-            {
-                "plan_digest": plan.plan_digest, "base_fp": family.base_fp, "block_size": plan.block_size,
-                "merge_method": spec.merge_method, "budget": spec.budget_obj().describe() if spec.max_error is None else f"max_error={spec.max_error}",
-                "budget_bytes": budget_bytes, "full_expert_bytes": full, "planned_bytes": plan.expert_bytes_planned,
-                "error_bound": plan.error_bound, "bound_guaranteed": plan.bound_guaranteed, "n_pairs": plan.n_pairs,
-            },
-            [
-                # The largest |c_k| over tensors: filters and gradients may vary it per tensor.
-                {"plan_digest": plan.plan_digest, "expert": i, "expert_fp": fp,
-                 "coefficient": max((abs(c[i]) for c in per_set), default=0.0), "planned_bytes": plan.planned_bytes[i]}
-                for i, fp in enumerate(expert_fps)
-            ],
-            access.select(["expert", "tensor", "block", "bytes", "score"]),
-        )
-        explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
-    folder = plans_dir(plan)
-    plan.save(folder)
-    return plan, explain, folder
+    plan, explain = choose_plan(spec, family, content, catalog)
+    return plan, explain, saved.save(plan, plans_root())

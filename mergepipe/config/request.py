@@ -1,0 +1,110 @@
+"""One command's validated input, built by one function for the CLI and for every flow: the
+spec (with command-line overrides applied before validation), the budget, the destination,
+the catalog and the runner. Nothing below re-parses any of it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mergepipe.config.environment import catalog_path
+from mergepipe.config.sizes import parse_budget
+from mergepipe.config.spec import MergeSpec, check_parameters, load_spec
+from mergepipe.errors import BadInput
+from mergepipe.storage.location import set_storage_options
+from mergepipe.storage.writer import check_destination
+
+RUNNERS = ("thread", "dask")
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Where layer-group tasks run: the flow's threads, or a Dask cluster (an address, or a
+    local cluster when None)."""
+
+    kind: str = "thread"
+    dask_address: str | None = None
+
+
+def check_runner(runner: str, dask_address: str | None) -> Runner:
+    if runner not in RUNNERS:
+        raise BadInput(f"runner: unknown {runner!r} (one of: {', '.join(RUNNERS)})")
+    if dask_address and runner != "dask":
+        raise BadInput("dask_address: only with runner 'dask'")
+    if runner == "dask":
+        try:
+            import prefect_dask  # noqa: F401
+        except ImportError:
+            raise BadInput("runner 'dask' needs prefect-dask: install mergepipe[dask]") from None
+    return Runner(runner, dask_address)
+
+
+@dataclass(frozen=True)
+class MergeRequest:
+    """config: the config's location (None for a replay, whose spec comes from a manifest);
+    out: the destination in its normal form (None for index and plan)."""
+
+    spec: MergeSpec
+    config: str | None
+    catalog: Path
+    out: str | None = None
+    overwrite: bool = False
+    runner: Runner = Runner()
+
+    @property
+    def options_from(self) -> str | None:
+        """The config whose storage_options a process that has not loaded it needs (a Dask
+        worker); its location travels, never the options."""
+        return self.config if self.spec.storage_options else None
+
+
+def with_run_date(out: str, when: date | datetime | None) -> str:
+    """`{date}` in an output location becomes the run's date (UTC; today when not given), so a
+    scheduled deployment writes each night's merge to its own folder."""
+    if "{date}" not in out:
+        return out
+    when = when or datetime.now(timezone.utc)
+    return out.replace("{date}", when.strftime("%Y-%m-%d"))
+
+
+def build_request(
+    config: str | MergeSpec,
+    *,
+    out: str | None = None,
+    budget: str | None = None,
+    max_error: float | None = None,
+    overwrite: bool = False,
+    catalog: str | Path | None = None,
+    runner: str = "thread",
+    dask_address: str | None = None,
+    run_date: date | datetime | None = None,
+) -> MergeRequest:
+    """Validate a command's input once: `config` is a config location (local or s3://) or an
+    already validated spec (a replay's, from its manifest). `budget` or `max_error` replaces the
+    config's. With `out`, the destination is checked (not existing unless `overwrite`, not
+    overlapping an input) after the config's storage options are applied to this process."""
+    if budget is not None and max_error is not None:
+        raise BadInput("--budget and --max-error: give one, not both")
+    if budget is not None:
+        parse_budget(budget, key="--budget")
+    resolved_runner = check_runner(runner, dask_address)
+    if isinstance(config, MergeSpec):
+        spec, location = config, None
+        set_storage_options(None)  # a manifest holds no storage options: the environment's credentials
+    else:
+        overrides: dict[str, Any] = {}
+        if budget is not None:
+            overrides = {"budget": budget, "max_error": None}
+        elif max_error is not None:
+            overrides = {"budget": None, "max_error": max_error}
+        # Read with the environment's credentials, not options a previous run in this process left.
+        set_storage_options(None)
+        spec, location = load_spec(config, overrides), str(config)
+        set_storage_options(spec.storage_options)
+    check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
+    destination = None
+    if out is not None:
+        destination = check_destination(with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris])
+    return MergeRequest(spec, location, catalog_path(catalog), destination, overwrite, resolved_runner)

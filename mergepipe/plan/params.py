@@ -1,0 +1,89 @@
+"""Each tensor's operator parameters, resolved from the spec with mergekit's precedence and the
+operator's declared defaults, as a ParamTable (each distinct set once)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mergepipe.config.settings import evaluate
+from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
+from mergepipe.errors import BadInput
+from mergepipe.index.blocks import layer_count, layer_position
+from mergepipe.operators import MergeParams, ParamTable, get_operator
+
+
+def _where(tensor: str) -> str:
+    return f" for tensor {tensor!r}" if tensor else ""
+
+
+def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0) -> MergeParams:
+    """The parameters of one tensor at layer position t (see _resolve), after check_parameters."""
+    check_parameters(spec)
+    return _resolve(spec, tensor, t)
+
+
+def _resolve(spec: MergeSpec, tensor: str, t: float) -> MergeParams:
+    """The parameters of one tensor at layer position t, with the operator's defaults.
+
+    Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
+    whose filters do not match the tensor falls through to the next level. Where the operator
+    weighs the base as an input (linear), the base's entry among `models:` gets its own values;
+    a config that does not list the base weighs it with a global value if there is one (as
+    mergekit adds it as an input), and leaves it out otherwise."""
+    op = get_operator(spec.merge_method)
+    shared_settings = parameter_values(spec.parameters)
+
+    def value(name: str, own: dict[str, Any] | None) -> Any:
+        v = evaluate(own[name], tensor, t) if own is not None else None
+        return evaluate(shared_settings[name], tensor, t) if v is None else v
+
+    resolved: dict[str, Any] = {}
+    experts = spec.expert_entries
+    for p in op.parameters:
+        if p.per_model:
+            values = []
+            for i, entry in experts:
+                v = value(p.name, parameter_values(entry.parameters))
+                if v is None and p.required:
+                    raise BadInput(
+                        f"models[{i}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
+                        f"{_where(tensor)} (model {entry.model}); no value, no matching filter and no global {p.name}"
+                    )
+                values.append(float(p.default if v is None else v) if p.kind == "float" else bool(p.default if v is None else v))
+            resolved[p.name] = tuple(values)
+        else:
+            v = value(p.name, None)
+            if v is None and p.required:
+                raise BadInput(f"parameters.{p.name}: required by merge_method {spec.merge_method!r}{_where(tensor)}; no filter matched")
+            resolved[p.name] = p.default if v is None else (float(v) if p.kind == "float" else v)
+    base_values = None
+    if op.base_weighted:
+        entry = spec.base_entry
+        own = parameter_values(entry.parameters) if entry is not None else None
+        base_values = {p.name: value(p.name, own) for p in op.parameters if p.per_model}
+        for p in op.parameters:
+            if p.per_model and p.required and entry is not None and base_values[p.name] is None:
+                raise BadInput(
+                    f"models[{spec.models.index(entry)}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
+                    f"{_where(tensor)} (the base, model {entry.model})"
+                )
+        if all(v is None for v in base_values.values()):
+            base_values = None  # not listed and no global value: the base is not an input
+        else:
+            base_values = {k: None if v is None else float(v) for k, v in base_values.items()}
+    params = MergeParams.of(len(experts), resolved, base_values)
+    problem = op.check(params)
+    if problem is not None:
+        name, position, why = problem
+        raise BadInput(f"models[{experts[position][0]}].parameters.{name}: {why}{_where(tensor)}")
+    return params
+
+
+def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
+    """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
+
+    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
+    check_parameters(spec)
+    names = sorted(tensor_names)
+    n_layers = layer_count(names)
+    return ParamTable.build({name: _resolve(spec, name, layer_position(name, n_layers)) for name in names})
