@@ -323,15 +323,10 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
     """Run a read-only SQL query on the catalog."""
 
     def go():
-        import duckdb
-
         from mergepipe.catalog.records import query_readonly
         from mergepipe.config.environment import catalog_path
 
-        try:
-            return query_readonly(query, catalog_path(catalog))
-        except duckdb.Error as err:
-            raise BadInput(f"query: {err}") from None
+        return query_readonly(query, catalog_path(catalog))
 
     cols, rows = run_command(go)
     if as_json:

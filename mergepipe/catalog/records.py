@@ -8,6 +8,7 @@ import duckdb
 import pyarrow as pa
 
 from mergepipe.catalog.db import connect, sql_text, transaction
+from mergepipe.errors import BadInput
 
 
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
@@ -52,9 +53,13 @@ def record_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) ->
 
 
 def query_readonly(query: str, path: str | Path) -> tuple[list[str], list[tuple]]:
-    """Run a query on a read-only connection: the catalog cannot be changed through it."""
+    """Run a query on a read-only connection: the catalog cannot be changed through it. A query
+    DuckDB refuses is bad input."""
     with connect(path, read_only=True) as con:
-        rel = con.execute(query)
+        try:
+            rel = con.execute(query)
+        except duckdb.Error as err:
+            raise BadInput(f"query: {err}") from None
         if rel.description is None:
             return [], []
         return [d[0] for d in rel.description], rel.fetchall()

@@ -4,6 +4,7 @@ the catalog and the runner. Nothing below re-parses any of it."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -33,11 +34,8 @@ def check_runner(runner: str, dask_address: str | None) -> Runner:
         raise BadInput(f"runner: unknown {runner!r} (one of: {', '.join(RUNNERS)})")
     if dask_address and runner != "dask":
         raise BadInput("dask_address: only with runner 'dask'")
-    if runner == "dask":
-        try:
-            import prefect_dask  # noqa: F401
-        except ImportError:
-            raise BadInput("runner 'dask' needs prefect-dask: install mergepipe[dask]") from None
+    if runner == "dask" and importlib.util.find_spec("prefect_dask") is None:
+        raise BadInput("runner 'dask' needs prefect-dask: install mergepipe[dask]")
     return Runner(runner, dask_address)
 
 
