@@ -61,12 +61,28 @@ def main() -> None:
                 for b in args.budgets.split(","):
                     out = scratch / "out"
                     done = subprocess.run(
-                        [mergepipe, "merge", str(cfg), "--out", str(out), "--budget", f"{b}%", "--overwrite",
-                         "--catalog", str(catalog), "--json"],
-                        env=env, capture_output=True, text=True,
+                        [
+                            mergepipe,
+                            "merge",
+                            str(cfg),
+                            "--out",
+                            str(out),
+                            "--budget",
+                            f"{b}%",
+                            "--overwrite",
+                            "--catalog",
+                            str(catalog),
+                            "--json",
+                        ],
+                        env=env,
+                        capture_output=True,
+                        text=True,
                     )
                     if done.returncode != 0:
-                        print(f"k{k} {op} {b}%: merge failed ({done.returncode}): {done.stderr.strip()[-400:]}", flush=True)
+                        print(
+                            f"k{k} {op} {b}%: merge failed ({done.returncode}): {done.stderr.strip()[-400:]}",
+                            flush=True,
+                        )
                         differ += 1
                         continue
                     digest = json.loads(done.stdout)["digest"]

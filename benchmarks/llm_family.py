@@ -34,32 +34,58 @@ from safetensors.torch import save_file
 SHAPE = dict(layers=24, hidden=896, intermediate=4864, heads=14, kv_heads=2, head_dim=64, vocab=151936)
 
 
-def tensor_shapes(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(
+    layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+) -> dict[str, tuple[int, ...]]:
     q, kv = heads * head_dim, kv_heads * head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden)}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": (q, hidden), p + "self_attn.q_proj.bias": (q,),
-            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
-            p + "self_attn.o_proj.weight": (hidden, q),
-            p + "mlp.gate_proj.weight": (intermediate, hidden), p + "mlp.up_proj.weight": (intermediate, hidden),
-            p + "mlp.down_proj.weight": (hidden, intermediate),
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": (q, hidden),
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.weight": (kv, hidden),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.weight": (kv, hidden),
+                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.o_proj.weight": (hidden, q),
+                p + "mlp.gate_proj.weight": (intermediate, hidden),
+                p + "mlp.up_proj.weight": (intermediate, hidden),
+                p + "mlp.down_proj.weight": (hidden, intermediate),
+                p + "input_layernorm.weight": (hidden,),
+                p + "post_attention_layernorm.weight": (hidden,),
+            }
+        )
     shapes["model.norm.weight"] = (hidden,)
     return shapes
 
 
-def qwen2_config(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int) -> dict:
+def qwen2_config(
+    layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int
+) -> dict:
     return {
-        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": hidden,
-        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads, "vocab_size": vocab, "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu", "tie_word_embeddings": True,
-        "torch_dtype": "bfloat16", "bos_token_id": 151643, "eos_token_id": 151643, "use_sliding_window": False,
-        "sliding_window": 32768, "max_window_layers": layers, "attention_dropout": 0.0, "initializer_range": 0.02,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "vocab_size": vocab,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 151643,
+        "eos_token_id": 151643,
+        "use_sliding_window": False,
+        "sliding_window": 32768,
+        "max_window_layers": layers,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
     }
 
 
@@ -149,13 +175,19 @@ def build(out: Path, experts: int, dims: dict) -> dict:
         if not (folder / "model.safetensors").exists():
             write_model(folder, tensors, config)
         n = sum(t.numel() for t in base.values())
-        info["experts"].append({
-            "path": str(folder), "kind": kind,
-            "relative_delta": math.sqrt(math.fsum(delta_sq) / base_sq),
-            "changed_elements": changed / n,
-        })
-        print(f"expert-{k} ({kind}): ‖τ‖/‖θ₀‖ = {info['experts'][-1]['relative_delta']:.2e}, "
-              f"{100 * changed / n:.1f}% of elements changed", flush=True)
+        info["experts"].append(
+            {
+                "path": str(folder),
+                "kind": kind,
+                "relative_delta": math.sqrt(math.fsum(delta_sq) / base_sq),
+                "changed_elements": changed / n,
+            }
+        )
+        print(
+            f"expert-{k} ({kind}): ‖τ‖/‖θ₀‖ = {info['experts'][-1]['relative_delta']:.2e}, "
+            f"{100 * changed / n:.1f}% of elements changed",
+            flush=True,
+        )
     info["seconds"] = time.perf_counter() - t0
     info["bytes_per_checkpoint"] = (out / "base" / "model.safetensors").stat().st_size
     (out / "family.json").write_text(json.dumps(info, indent=1))

@@ -37,7 +37,9 @@ def run(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> Mea
         " 'status': os.waitstatus_to_exitcode(status)}) + '\\n')\n"
         "sys.exit(os.waitstatus_to_exitcode(status))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", wrapper, *map(str, cmd)], env=env, cwd=cwd, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", wrapper, *map(str, cmd)], env=env, cwd=cwd, capture_output=True, text=True
+    )
     line = [x for x in proc.stderr.splitlines() if x.startswith("@@measure ")]
     if proc.returncode != 0 or not line:
         err = "\n".join(x for x in proc.stderr.splitlines() if x.strip() and not x.startswith("@@measure "))
@@ -92,5 +94,10 @@ def hardware_limit(read_plan: list[tuple[Path, int]], write_bytes: int, scratch:
         os.fsync(f.fileno())
     t_write = time.perf_counter() - t1
     out.unlink()
-    return {"read_bytes": total, "read_seconds": t_read, "write_bytes": write_bytes, "write_seconds": t_write,
-            "seconds": t_read + t_write}
+    return {
+        "read_bytes": total,
+        "read_seconds": t_read,
+        "write_bytes": write_bytes,
+        "write_seconds": t_write,
+        "seconds": t_read + t_write,
+    }

@@ -67,7 +67,9 @@ OPERATOR_PARAMETERS = {
 class Family:
     """One family size: a folder with base/ and one folder per expert."""
 
-    def __init__(self, label: str, folder: Path, experts: list[str], variant: str | None = None, rank_by: str = "delta") -> None:
+    def __init__(
+        self, label: str, folder: Path, experts: list[str], variant: str | None = None, rank_by: str = "delta"
+    ) -> None:
         self.label, self.folder, self.experts, self.variant, self.rank_by = label, folder, experts, variant, rank_by
 
     @property
@@ -98,7 +100,10 @@ class Family:
 
 def families(args: argparse.Namespace) -> list[Family]:
     if args.family == "llm":
-        return [Family(f"k{k}", args.data, [f"expert-{i}" for i in range(k)], rank_by=args.rank_by) for k in map(int, args.k.split(","))]
+        return [
+            Family(f"k{k}", args.data, [f"expert-{i}" for i in range(k)], rank_by=args.rank_by)
+            for k in map(int, args.k.split(","))
+        ]
     return [Family(v, args.data / v, list(DOMAINS), variant=v, rank_by=args.rank_by) for v in args.variants.split(",")]
 
 
@@ -121,8 +126,11 @@ class Bench:
         from tests.prefect_server import PrefectServer
 
         self.server = PrefectServer(self.scratch / "prefect")
-        self.env.update(PREFECT_API_URL=self.server.api_url, PREFECT_HOME=str(self.scratch / "prefect" / "prefect-home"),
-                        PREFECT_SERVER_ANALYTICS_ENABLED="false")
+        self.env.update(
+            PREFECT_API_URL=self.server.api_url,
+            PREFECT_HOME=str(self.scratch / "prefect" / "prefect-home"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        )
 
     def close(self) -> None:
         if self.server:
@@ -136,16 +144,33 @@ class Bench:
     # -- one family size -----------------------------------------------------------------------
     def family(self, fam: Family) -> dict:
         files = fam.inputs()
-        out: dict = {"label": fam.label, "k": fam.k, "input_bytes": sum(p.stat().st_size for p in files), "operators": {}}
+        out: dict = {
+            "label": fam.label,
+            "k": fam.k,
+            "input_bytes": sum(p.stat().st_size for p in files),
+            "operators": {},
+        }
         cfg = fam.config("task_arithmetic")
         measure.evict(files)
         # Fresh catalogs and homes: the statistics pass must not come from any cache.
-        idx = self.mergepipe("index", str(cfg), "--catalog", str(self.scratch / f"index-only-{fam.label}.duckdb"),
-                             home=self.scratch / f"home-index-{fam.label}")
+        idx = self.mergepipe(
+            "index",
+            str(cfg),
+            "--catalog",
+            str(self.scratch / f"index-only-{fam.label}.duckdb"),
+            home=self.scratch / f"home-index-{fam.label}",
+        )
         out["index"] = {"seconds": idx.seconds, "peak_rss": idx.peak_rss, "result": idx.json()}
         measure.evict(files)
-        first = self.mergepipe("merge", str(cfg), "--out", str(self.scratch / "first"), "--catalog",
-                               str(self.scratch / f"first-{fam.label}.duckdb"), home=self.scratch / f"home-first-{fam.label}")
+        first = self.mergepipe(
+            "merge",
+            str(cfg),
+            "--out",
+            str(self.scratch / "first"),
+            "--catalog",
+            str(self.scratch / f"first-{fam.label}.duckdb"),
+            home=self.scratch / f"home-first-{fam.label}",
+        )
         out["first_merge"] = {"seconds": first.seconds, "peak_rss": first.peak_rss}
         shutil.rmtree(self.scratch / "first")
         catalog = self.scratch / f"catalog-{fam.label}.duckdb"
@@ -165,7 +190,9 @@ class Bench:
             for warm_run in [False] * self.args.runs + [True] * self.args.runs:
                 if not warm_run:
                     measure.evict(files)
-                m = self.mergepipe("merge", str(cfg), "--out", str(out), "--budget", f"{b}%", "--overwrite", "--catalog", str(catalog))
+                m = self.mergepipe(
+                    "merge", str(cfg), "--out", str(out), "--budget", f"{b}%", "--overwrite", "--catalog", str(catalog)
+                )
                 (warm if warm_run else cold).append(m.seconds)
                 rss.append(m.peak_rss)
                 result = m.json()
@@ -175,15 +202,25 @@ class Bench:
             read_plan = [(p, p.stat().st_size) for p in measure.model_files(fam.folder / "base")]
             read_plan += [(measure.model_files(fam.folder / e)[0], n) for e, n in zip(fam.experts, plan)]
             hw = measure.hardware_limit(read_plan, result["bytes"]["output"], self.scratch)
-            rows.append({
-                "budget": f"{b}%", "budget_bytes": result["budget_bytes"], "full_expert_bytes": result["full_expert_bytes"],
-                "expert_bytes_read": result["expert_bytes_read"],
-                "read_share": 100 * result["expert_bytes_read"] / result["full_expert_bytes"],
-                "total_bytes_read": sum(v for r, v in result["bytes"].items() if r in ("header", "base", "expert")),
-                "wall_seconds": median(cold), "cold_seconds": cold, "warm_seconds": warm,
-                "warm_median": median(warm), "peak_rss": max(rss), "error_bound": result["error_bound"],
-                "bound_guaranteed": result["bound_guaranteed"], "hardware_limit": hw, "digest": result["digest"],
-            })
+            rows.append(
+                {
+                    "budget": f"{b}%",
+                    "budget_bytes": result["budget_bytes"],
+                    "full_expert_bytes": result["full_expert_bytes"],
+                    "expert_bytes_read": result["expert_bytes_read"],
+                    "read_share": 100 * result["expert_bytes_read"] / result["full_expert_bytes"],
+                    "total_bytes_read": sum(v for r, v in result["bytes"].items() if r in ("header", "base", "expert")),
+                    "wall_seconds": median(cold),
+                    "cold_seconds": cold,
+                    "warm_seconds": warm,
+                    "warm_median": median(warm),
+                    "peak_rss": max(rss),
+                    "error_bound": result["error_bound"],
+                    "bound_guaranteed": result["bound_guaranteed"],
+                    "hardware_limit": hw,
+                    "digest": result["digest"],
+                }
+            )
         full = outs[100]
         for row, b in zip(rows, self.args.budgets):
             row.update(deviation(str(outs[b]), str(full), str(fam.folder / "base")))
@@ -203,12 +240,17 @@ class Bench:
         runs = []
         for _ in range(self.args.runs):
             measure.evict(files)
-            m = measure.run([sys.executable, str(ROOT / "benchmarks" / "stream_merge.py"), str(cfg), str(self.scratch / "stream")],
-                            env=self.env)
+            m = measure.run(
+                [sys.executable, str(ROOT / "benchmarks" / "stream_merge.py"), str(cfg), str(self.scratch / "stream")],
+                env=self.env,
+            )
             runs.append(m)
         shutil.rmtree(self.scratch / "stream", ignore_errors=True)
-        return {"seconds": median([m.seconds for m in runs]), "runs": [m.seconds for m in runs],
-                "peak_rss": max(m.peak_rss for m in runs)}
+        return {
+            "seconds": median([m.seconds for m in runs]),
+            "runs": [m.seconds for m in runs],
+            "peak_rss": max(m.peak_rss for m in runs),
+        }
 
     def mergekit(self, cfg: Path, files: list[Path]) -> dict:
         exe = self.args.mergekit
@@ -221,13 +263,18 @@ class Bench:
             shutil.rmtree(out, ignore_errors=True)
             env = dict(self.env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
             try:
-                m = measure.run([exe, cfg.name, str(out), "--no-copy-tokenizer", "--no-write-model-card"], env=env, cwd=cfg.parent)
+                m = measure.run(
+                    [exe, cfg.name, str(out), "--no-copy-tokenizer", "--no-write-model-card"], env=env, cwd=cfg.parent
+                )
             except RuntimeError as err:  # e.g. an architecture mergekit does not know
                 return {"skipped": f"mergekit failed: {str(err).strip().splitlines()[-1][:300]}"}
             runs.append(m)
         shutil.rmtree(self.scratch / "mergekit-out", ignore_errors=True)
-        return {"seconds": median([m.seconds for m in runs]), "runs": [m.seconds for m in runs],
-                "peak_rss": max(m.peak_rss for m in runs)}
+        return {
+            "seconds": median([m.seconds for m in runs]),
+            "runs": [m.seconds for m in runs],
+            "peak_rss": max(m.peak_rss for m in runs),
+        }
 
     # -- fixed costs ---------------------------------------------------------------------------
     def fixed_costs(self) -> dict:
@@ -246,10 +293,25 @@ class Bench:
         def tiny(label: str, env: dict, runs: int) -> dict:
             times = []
             for i in range(runs):
-                m = measure.run([*MERGEPIPE, "merge", str(cfg), "--out", str(self.scratch / f"tiny-{label}-{i}"), "--json",
-                                 "--catalog", str(self.scratch / f"tiny-{label}.duckdb")], env=env)
+                m = measure.run(
+                    [
+                        *MERGEPIPE,
+                        "merge",
+                        str(cfg),
+                        "--out",
+                        str(self.scratch / f"tiny-{label}-{i}"),
+                        "--json",
+                        "--catalog",
+                        str(self.scratch / f"tiny-{label}.duckdb"),
+                    ],
+                    env=env,
+                )
                 times.append((m.seconds, m.json()["wall_seconds"]))
-            return {"seconds": median([w for w, _ in times]), "flow_seconds": median([f for _, f in times]), "runs": times}
+            return {
+                "seconds": median([w for w, _ in times]),
+                "flow_seconds": median([f for _, f in times]),
+                "runs": times,
+            }
 
         return {
             "import_seconds": imports,
@@ -308,10 +370,14 @@ def render(results: dict, folder: Path) -> str:
     lines += render_fixed_costs(results["fixed_costs"])
     for fam in results["families"]:
         k, label = fam["k"], fam.get("label", f"k{fam['k']}")
-        lines += [f"## {label}: K = {k} experts ({fam['input_bytes'] / 2**30:.2f} GiB of inputs)", "",
-                  f"- index pass (cold, its own catalog): {fam['index']['seconds']:.1f} s, peak RSS "
-                  f"{fam['index']['peak_rss'] / 2**20:,.0f} MiB",
-                  f"- first merge of the family (index + task_arithmetic at 100%, cold): {fam['first_merge']['seconds']:.1f} s", ""]
+        lines += [
+            f"## {label}: K = {k} experts ({fam['input_bytes'] / 2**30:.2f} GiB of inputs)",
+            "",
+            f"- index pass (cold, its own catalog): {fam['index']['seconds']:.1f} s, peak RSS "
+            f"{fam['index']['peak_rss'] / 2**20:,.0f} MiB",
+            f"- first merge of the family (index + task_arithmetic at 100%, cold): {fam['first_merge']['seconds']:.1f} s",
+            "",
+        ]
         for op, res in fam["operators"].items():
             rows = res["rows"]
             for r in rows:
@@ -319,35 +385,68 @@ def render(results: dict, folder: Path) -> str:
             lines += [f"### {op}", "", markdown_table(rows, COLUMNS)]
             if "heldout_loss" in rows[0]:
                 domains = list(rows[0]["heldout_loss"])
-                lines += ["", "Held-out masked-LM loss per domain (and its change against the full-budget merge):", "",
-                          "| budget | " + " | ".join(domains) + " |", "|---|" + "---|" * len(domains)]
+                lines += [
+                    "",
+                    "Held-out masked-LM loss per domain (and its change against the full-budget merge):",
+                    "",
+                    "| budget | " + " | ".join(domains) + " |",
+                    "|---|" + "---|" * len(domains),
+                ]
                 for r in rows:
-                    lines.append(f"| {r['budget']} | " + " | ".join(
-                        f"{r['heldout_loss'][d]:.3f} ({100 * r['loss_increase'][d]:+.2f}%)" for d in domains) + " |")
+                    lines.append(
+                        f"| {r['budget']} | "
+                        + " | ".join(
+                            f"{r['heldout_loss'][d]:.3f} ({100 * r['loss_increase'][d]:+.2f}%)" for d in domains
+                        )
+                        + " |"
+                    )
                 lines.append("")
             mk, st = res["mergekit"], res["stream_merge"]
-            lines.append(f"Full-read streaming merge (cold): {st['seconds']:.2f} s, peak RSS {st['peak_rss'] / 2**20:,.0f} MiB.  ")
+            lines.append(
+                f"Full-read streaming merge (cold): {st['seconds']:.2f} s, peak RSS {st['peak_rss'] / 2**20:,.0f} MiB.  "
+            )
             if "skipped" in mk:
                 lines.append(f"mergekit: {mk['skipped']}.")
             else:
                 # a note says where figures carried over from another run come from
                 note = f" {mk['note']}" if mk.get("note") else ""
-                lines.append(f"mergekit 0.1.5 (cold): {mk['seconds']:.2f} s, peak RSS {mk['peak_rss'] / 2**20:,.0f} MiB.{note}")
+                lines.append(
+                    f"mergekit 0.1.5 (cold): {mk['seconds']:.2f} s, peak RSS {mk['peak_rss'] / 2**20:,.0f} MiB.{note}"
+                )
             png = folder / f"{label}-{op}.png"
-            png.write_bytes(plot_sweep(rows, f"{label} (K={k}) {op}", references={
-                "stream merge": st["seconds"], **({} if "skipped" in mk else {"mergekit": mk["seconds"]})}))
+            png.write_bytes(
+                plot_sweep(
+                    rows,
+                    f"{label} (K={k}) {op}",
+                    references={
+                        "stream merge": st["seconds"],
+                        **({} if "skipped" in mk else {"mergekit": mk["seconds"]}),
+                    },
+                )
+            )
             lines += ["", f"![{label} {op}]({png.name})", ""]
     return "\n".join(lines) + "\n"
 
 
 def render_fixed_costs(fc: dict) -> list[str]:
     if "tiny_merge" not in fc:  # results from before the in-process mode
-        return ["## Fixed costs", "", f"- a tiny merge against a running Prefect server: {fc['tiny_merge_seconds']:.2f} s "
-                f"(flow {fc['tiny_merge_flow_seconds']:.2f} s); with Prefect's temporary server: "
-                f"{fc['tiny_merge_ephemeral_server_seconds']:.2f} s", ""]
+        return [
+            "## Fixed costs",
+            "",
+            f"- a tiny merge against a running Prefect server: {fc['tiny_merge_seconds']:.2f} s "
+            f"(flow {fc['tiny_merge_flow_seconds']:.2f} s); with Prefect's temporary server: "
+            f"{fc['tiny_merge_ephemeral_server_seconds']:.2f} s",
+            "",
+        ]
     lines = ["## Fixed costs", ""]
     lines += [f"- `import {m}`: {s:.2f} s" for m, s in fc["import_seconds"].items()]
-    lines += ["", "A tiny merge (one 1-layer expert) as a fresh process:", "", "| how flows run | process s | flow s |", "|---|---|---|"]
+    lines += [
+        "",
+        "A tiny merge (one 1-layer expert) as a fresh process:",
+        "",
+        "| how flows run | process s | flow s |",
+        "|---|---|---|",
+    ]
     lines += [f"| {how} | {r['seconds']:.2f} | {r['flow_seconds']:.2f} |" for how, r in fc["tiny_merge"].items()]
     return lines + [""]
 
@@ -358,8 +457,10 @@ def machine() -> str:
     import torch
 
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return (f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {mem:.0f} GiB RAM, "
-            f"Python {platform.python_version()}, torch {torch.__version__}, no GPU")
+    return (
+        f"{os.cpu_count()} CPUs ({platform.processor() or platform.machine()}), {mem:.0f} GiB RAM, "
+        f"Python {platform.python_version()}, torch {torch.__version__}, no GPU"
+    )
 
 
 def main() -> None:
@@ -371,8 +472,12 @@ def main() -> None:
     ap.add_argument("--variants", default="tied,untied", help="minilm: decoder variants")
     ap.add_argument("--operators", default="task_arithmetic,ties,dare_ties")
     ap.add_argument("--budgets", default="5,10,25,50,100")
-    ap.add_argument("--rank-by", default="delta", choices=["delta", "delta_over_sqrt_base"],
-                    help="the configs' rank_by: how the planner values a block")
+    ap.add_argument(
+        "--rank-by",
+        default="delta",
+        choices=["delta", "delta_over_sqrt_base"],
+        help="the configs' rank_by: how the planner values a block",
+    )
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--mergekit", default=None, help="mergekit-yaml to compare with, or 'none'")
     ap.add_argument("--mergekit-runs", type=int, default=1)
@@ -394,8 +499,13 @@ def main() -> None:
     t0 = time.time()
     try:
         bench.start_server()
-        results = {"family": args.family, "machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-                   "fixed_costs": bench.fixed_costs(), "families": []}
+        results = {
+            "family": args.family,
+            "machine": machine(),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "fixed_costs": bench.fixed_costs(),
+            "families": [],
+        }
         for fam in [] if args.fixed_costs_only else families(args):
             results["families"].append(bench.family(fam))
             (args.results / "results.json").write_text(json.dumps(results, indent=1, default=str))

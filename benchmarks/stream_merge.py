@@ -14,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mergepipe.config.spec import load_spec
 from mergepipe.index.blocks import block_rows, layer_count, layer_position
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.config.spec import load_spec
 from mergepipe.plan.params import resolve_params
 
 

@@ -35,7 +35,9 @@ err_console = Console(stderr=True, soft_wrap=True)
 CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
 RunnerOpt = typer.Option("thread", "--runner", help="Where layer tasks run: thread, or dask.")
-DaskAddressOpt = typer.Option(None, "--dask-address", help="Scheduler of an existing Dask cluster (with --runner dask); default: a local cluster.")
+DaskAddressOpt = typer.Option(
+    None, "--dask-address", help="Scheduler of an existing Dask cluster (with --runner dask); default: a local cluster."
+)
 
 
 def _fail(err: BaseException) -> None:
@@ -121,10 +123,14 @@ def _print_merge(result: dict, title: str) -> None:
     t.add_row("digest", result["digest"])
     t.add_row("method", result["merge_method"])
     t.add_row("budget", f"{_mib(result['budget_bytes'])} of {_mib(result['full_expert_bytes'])} expert bytes")
-    t.add_row("expert bytes planned / read", f"{_mib(result['expert_bytes_planned'])} / {_mib(result['expert_bytes_read'])}")
+    t.add_row(
+        "expert bytes planned / read", f"{_mib(result['expert_bytes_planned'])} / {_mib(result['expert_bytes_read'])}"
+    )
     t.add_row("base bytes read", _mib(result["bytes"]["base"]))
     t.add_row("output bytes written", _mib(result["bytes"]["output"]))
-    bound = f"{result['error_bound']:.6g}" + ("" if result["bound_guaranteed"] else " (heuristic: operator is not additive)")
+    bound = f"{result['error_bound']:.6g}" + (
+        "" if result["bound_guaranteed"] else " (heuristic: operator is not additive)"
+    )
     t.add_row("error bound ‖θ̂−θ_full‖_F", bound)
     t.add_row("wall time", f"{result['wall_seconds']:.2f} s")
     out_console.print(t)
@@ -204,8 +210,15 @@ def merge(
     """Index, plan and merge; publish the output with its manifest."""
 
     def go() -> dict:
-        args = dict(out=str(out), budget=budget, max_error=max_error, overwrite=overwrite, catalog=_catalog(catalog),
-                    runner=runner, dask_address=dask_address)
+        args = dict(
+            out=str(out),
+            budget=budget,
+            max_error=max_error,
+            overwrite=overwrite,
+            catalog=_catalog(catalog),
+            runner=runner,
+            dask_address=dask_address,
+        )
         _request(config, **args)
         from mergepipe.flows.merge import merge as merge_flow
         from mergepipe.flows.orchestration import run_flow
@@ -219,9 +232,13 @@ def merge(
 @app.command()
 def sweep(
     config: str = ConfigArg,
-    out: str = typer.Option(..., "--out", help="Folder or s3:// prefix; each budget's output goes to OUT/budget-<budget>."),
+    out: str = typer.Option(
+        ..., "--out", help="Folder or s3:// prefix; each budget's output goes to OUT/budget-<budget>."
+    ),
     budgets: str = typer.Option("5%,10%,25%,50%,100%", help="Comma-separated budgets (100% is added if missing)."),
-    report: Optional[Path] = typer.Option(None, help="Folder for sweep.json, sweep.md and sweep.png (default: OUT when local)."),
+    report: Optional[Path] = typer.Option(
+        None, help="Folder for sweep.json, sweep.md and sweep.png (default: OUT when local)."
+    ),
     overwrite: bool = typer.Option(False, help="Replace existing output folders."),
     catalog: Optional[Path] = CatalogOpt,
     as_json: bool = JsonOpt,
@@ -241,14 +258,22 @@ def sweep(
         if not any(parse_budget(b).is_full for b in wanted):
             wanted.append("100%")
         for b in wanted:
-            spec = _request(config, out=join(out, budget_label(b)), budget=b, overwrite=overwrite, catalog=_catalog(catalog)).spec
+            spec = _request(
+                config, out=join(out, budget_label(b)), budget=b, overwrite=overwrite, catalog=_catalog(catalog)
+            ).spec
         from mergepipe.flows.orchestration import run_flow
         from mergepipe.flows.sweep import budget_sweep
         from mergepipe.publish.report import sweep_report
         from mergepipe.storage.writer import write_file
 
-        rows = run_flow(budget_sweep, config=str(config), out=str(out), budgets=wanted, overwrite=overwrite,
-                        catalog=_catalog(catalog))
+        rows = run_flow(
+            budget_sweep,
+            config=str(config),
+            out=str(out),
+            budgets=wanted,
+            overwrite=overwrite,
+            catalog=_catalog(catalog),
+        )
         folder = report or (Path("mergepipe-sweep") if is_remote(out) else Path(out))
         folder.mkdir(parents=True, exist_ok=True)
         for name, data in sweep_report(rows, f"{spec.merge_method} budget sweep of {Path(str(config)).name}").items():
@@ -289,8 +314,15 @@ def replay(
         from mergepipe.flows.orchestration import run_flow
         from mergepipe.flows.replay import replay as replay_flow
 
-        return run_flow(replay_flow, manifest=str(manifest), out=str(out), overwrite=overwrite,
-                        catalog=_catalog(catalog), runner=runner, dask_address=dask_address)
+        return run_flow(
+            replay_flow,
+            manifest=str(manifest),
+            out=str(out),
+            overwrite=overwrite,
+            catalog=_catalog(catalog),
+            runner=runner,
+            dask_address=dask_address,
+        )
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "replay")
@@ -307,10 +339,19 @@ def verify(out: str = typer.Argument(..., help="Output folder or s3:// prefix.")
 
     result = run_command(go)
     if as_json:
-        _print_json({"out": result.out, "digest": result.digest, "ok": result.ok, "problems": result.problems,
-                     "checked_bytes": result.checked_bytes})
+        _print_json(
+            {
+                "out": result.out,
+                "digest": result.digest,
+                "ok": result.ok,
+                "problems": result.problems,
+                "checked_bytes": result.checked_bytes,
+            }
+        )
     elif result.ok:
-        out_console.print(f"ok: {out} matches its manifest (digest {result.digest}, {_mib(result.checked_bytes)} hashed)")
+        out_console.print(
+            f"ok: {out} matches its manifest (digest {result.digest}, {_mib(result.checked_bytes)} hashed)"
+        )
     else:
         for p in result.problems:
             err_console.print(f"[red]mismatch:[/red] {escape(p)}", highlight=False)
@@ -361,8 +402,10 @@ def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once
 
 
 @app.command()
-def demo(out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder for the family, catalog and outputs."),
-         as_json: bool = JsonOpt) -> None:
+def demo(
+    out: Path = typer.Option(Path("mergepipe-demo"), "--out", help="Folder for the family, catalog and outputs."),
+    as_json: bool = JsonOpt,
+) -> None:
     """Build a small family, index it, plan and merge it at 25% and 100%, verify the outputs."""
 
     def go() -> dict:
@@ -387,21 +430,31 @@ def _run_demo(out: Path, say: Callable[[str], None]) -> dict:
     config = str(demo_config(out, say))
     catalog = str(out / "catalog.duckdb")
     idx = run_flow(index_family, config=config, catalog=catalog)
-    say(f"index: {len(idx['indexed_now'])} expert(s) indexed now, {len(idx['already_indexed'])} cached; "
-        f"read {idx['bytes']['expert'] / 2**20:.2f} MiB of experts")
+    say(
+        f"index: {len(idx['indexed_now'])} expert(s) indexed now, {len(idx['already_indexed'])} cached; "
+        f"read {idx['bytes']['expert'] / 2**20:.2f} MiB of experts"
+    )
     p = run_flow(plan_flow, config=config, budget="25%", catalog=catalog)
-    say(f"plan at 25%: {p['expert_bytes_planned'] / 2**20:.2f} of {p['full_expert_bytes'] / 2**20:.2f} MiB, "
-        f"{p['pairs']} (expert, block) pairs, error bound {p['error_bound']:.4g}")
+    say(
+        f"plan at 25%: {p['expert_bytes_planned'] / 2**20:.2f} of {p['full_expert_bytes'] / 2**20:.2f} MiB, "
+        f"{p['pairs']} (expert, block) pairs, error bound {p['error_bound']:.4g}"
+    )
     results = {}
     for label, budget in (("full", "100%"), ("25pct", "25%")):
-        r = run_flow(merge_flow, config=config, out=str(out / f"merged-{label}"), budget=budget, overwrite=True, catalog=catalog)
+        r = run_flow(
+            merge_flow, config=config, out=str(out / f"merged-{label}"), budget=budget, overwrite=True, catalog=catalog
+        )
         v = verify_output(r["out"])
         results[label] = {**r, "verified": v.ok}
-        say(f"merge at {budget}: read {r['expert_bytes_read'] / 2**20:.2f} MiB of experts "
-            f"(planned {r['expert_bytes_planned'] / 2**20:.2f}), digest {r['digest'][:16]}…, verify {'ok' if v.ok else 'FAILED'}")
+        say(
+            f"merge at {budget}: read {r['expert_bytes_read'] / 2**20:.2f} MiB of experts "
+            f"(planned {r['expert_bytes_planned'] / 2**20:.2f}), digest {r['digest'][:16]}…, verify {'ok' if v.ok else 'FAILED'}"
+        )
     measured = deviation(str(out / "merged-25pct"), str(out / "merged-full"), idx["base"])["deviation"]
     bound = results["25pct"]["error_bound"]
-    say(f"‖θ̂(25%) − θ(full)‖_F = {measured:.4g} ≤ bound {bound:.4g}: {'yes' if measured <= bound * (1 + 1e-6) else 'NO'}")
+    say(
+        f"‖θ̂(25%) − θ(full)‖_F = {measured:.4g} ≤ bound {bound:.4g}: {'yes' if measured <= bound * (1 + 1e-6) else 'NO'}"
+    )
     return {"out": str(out), "index": idx, "merges": results, "measured_deviation": measured, "error_bound": bound}
 
 

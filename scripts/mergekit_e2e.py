@@ -188,8 +188,9 @@ def build_expert(model: str, base: dict[str, torch.Tensor], index: int) -> dict[
 def write_model(folder: Path, tensors: dict[str, torch.Tensor], config: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"), metadata={"format": "pt"}
+    )
 
 
 def build_family(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
@@ -322,8 +323,10 @@ def mergekit_python() -> Path:
     override = os.environ.get("MERGEKIT_PYTHON")
     python = Path(override) if override else VENV_PYTHON
     if not python.exists():
-        sys.exit(f"no mergekit interpreter at {python}: set MERGEKIT_PYTHON to a python with "
-                 f"mergekit {MERGEKIT_VERSION}, or create .venv-mergekit (scripts/mergekit_parity.py does)")
+        sys.exit(
+            f"no mergekit interpreter at {python}: set MERGEKIT_PYTHON to a python with "
+            f"mergekit {MERGEKIT_VERSION}, or create .venv-mergekit (scripts/mergekit_parity.py does)"
+        )
     probe = "import importlib.metadata as m; print(m.version('mergekit'))"
     res = subprocess.run([str(python), "-c", probe], capture_output=True, text=True)
     if res.returncode != 0 or res.stdout.strip() != MERGEKIT_VERSION:
@@ -335,24 +338,32 @@ def mergekit_python() -> Path:
 
 def _env() -> dict:
     env = dict(os.environ)
-    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               CUDA_VISIBLE_DEVICES="", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        CUDA_VISIBLE_DEVICES="",
+        PYTHONHASHSEED="0",
+        TOKENIZERS_PARALLELISM="false",
+    )
     return env
 
 
 def _error_message(stderr: str, scrub: list[str]) -> str:
     """The exception of the last traceback (with its continuation lines), else the last line."""
     lines = [ln.rstrip() for ln in stderr.strip().splitlines() if ln.strip()]
-    start = next((i for i in range(len(lines) - 1, -1, -1)
-                  if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b", lines[i])), None)
+    start = next(
+        (i for i in range(len(lines) - 1, -1, -1) if re.match(r"^[A-Za-z_][\w.]*(Error|Exception)\b", lines[i])), None
+    )
     msg = " ".join(lines[start:]) if start is not None else (lines[-1] if lines else "")
     for s in scrub:
         msg = msg.replace(s, "OUT")
     return msg.strip()
 
 
-def run_mergekit(python: Path, config: str, cwd: Path, extra: list[str] | None = None
-                 ) -> tuple[dict[str, torch.Tensor] | None, str | None, list[str]]:
+def run_mergekit(
+    python: Path, config: str, cwd: Path, extra: list[str] | None = None
+) -> tuple[dict[str, torch.Tensor] | None, str | None, list[str]]:
     """Run mergekit-yaml on `config` (relative to cwd); return (tensors, error, argv with OUT)."""
     exe = python.parent / "mergekit-yaml"
     flags = MERGEKIT_FLAGS + (extra or [])
@@ -388,12 +399,21 @@ def generate(python: Path) -> None:
         config = f"{name}.yml"
         print(f"mergekit-yaml {config}", file=sys.stderr)
         tensors, error, argv = run_mergekit(python, config, OUT_DIR)
-        rec = {"case": name, "config": config, "mergekit_version": MERGEKIT_VERSION,
-               "cwd": "tests/data/mergekit_e2e", "command": " ".join(argv), "ok": error is None}
+        rec = {
+            "case": name,
+            "config": config,
+            "mergekit_version": MERGEKIT_VERSION,
+            "cwd": "tests/data/mergekit_e2e",
+            "command": " ".join(argv),
+            "ok": error is None,
+        }
         if error is None:
             expected = f"expected/{name}.safetensors"
-            save_file({k: tensors[k].contiguous() for k in sorted(tensors)}, str(OUT_DIR / expected),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: tensors[k].contiguous() for k in sorted(tensors)},
+                str(OUT_DIR / expected),
+                metadata={"format": "pt"},
+            )
             rec["expected"] = expected
             rec["dtypes"] = {k: str(tensors[k].dtype).removeprefix("torch.") for k in sorted(tensors)}
         else:
@@ -405,7 +425,7 @@ def generate(python: Path) -> None:
         "generator": "scripts/mergekit_e2e.py",
         "mergekit_version": MERGEKIT_VERSION,
         "note": "run each command with cwd = tests/data/mergekit_e2e (model paths are relative); "
-                "OUT is a fresh output folder; expected/<case>.safetensors gathers all output shards",
+        "OUT is a fresh output folder; expected/<case>.safetensors gathers all output shards",
         "models": {"base": BASE, "experts": [ORCA, PLATYPUS, WIZARD]},
         "cases": records,
     }
@@ -442,9 +462,11 @@ def run_probes(python: Path) -> None:
             tensors, error, _ = run_mergekit(python, str(path), cwd, extra)
             return tensors, error
 
-        lin2 = (f"models:\n  - model: {ORCA}\n    parameters:\n      weight: 0.6\n"
-                f"  - model: {PLATYPUS}\n    parameters:\n      weight: 0.3\n"
-                f"merge_method: linear\nbase_model: {BASE}\n")
+        lin2 = (
+            f"models:\n  - model: {ORCA}\n    parameters:\n      weight: 0.6\n"
+            f"  - model: {PLATYPUS}\n    parameters:\n      weight: 0.3\n"
+            f"merge_method: linear\nbase_model: {BASE}\n"
+        )
         # a. base_model set, base not among models, no global weight
         t_a, e_a = merge(lin2 + "dtype: float32\n", "a")
         report["a"] = {"error": e_a} if e_a else {"ok": True}
@@ -465,27 +487,41 @@ def run_probes(python: Path) -> None:
         ties = CONFIGS["ties_fp32"]
         with_base_entry = ties.replace(
             "merge_method: ties",
-            f"  - model: {BASE}\n    parameters:\n      weight: 0.7\n      density: 0.5\nmerge_method: ties")
+            f"  - model: {BASE}\n    parameters:\n      weight: 0.7\n      density: 0.5\nmerge_method: ties",
+        )
         t_c0, e_c0 = merge(ties, "c0")
         t_c1, e_c1 = merge(with_base_entry, "c1")
-        report["c"] = {"error": e_c0 or e_c1} if (e_c0 or e_c1) else {
-            "bit_identical": all(torch.equal(t_c0[k], t_c1[k]) for k in t_c0) and t_c0.keys() == t_c1.keys(),
-            "maxdiff": max(_maxdiff(t_c0[k], t_c1[k]) for k in t_c0)}
+        report["c"] = (
+            {"error": e_c0 or e_c1}
+            if (e_c0 or e_c1)
+            else {
+                "bit_identical": all(torch.equal(t_c0[k], t_c1[k]) for k in t_c0) and t_c0.keys() == t_c1.keys(),
+                "maxdiff": max(_maxdiff(t_c0[k], t_c1[k]) for k in t_c0),
+            }
+        )
 
         # d. one layer: which t does a gradient use for layer tensors?
         one = tmp / "one"
         for m in MODELS:
             sub = {k: v for k, v in family[m].items() if _layer(k) in (None, 0)}
             write_model(one / m, sub, llama_config(1))
-        t_d, e_d = merge(f"models:\n  - model: {ORCA}\n    parameters:\n      weight: [0.2, 0.8]\n"
-                         f"  - model: {PLATYPUS}\n    parameters:\n      weight: 1.0\n"
-                         "merge_method: linear\nparameters:\n  normalize: false\ndtype: float32\n",
-                         "d", cwd=one)
+        t_d, e_d = merge(
+            f"models:\n  - model: {ORCA}\n    parameters:\n      weight: [0.2, 0.8]\n"
+            f"  - model: {PLATYPUS}\n    parameters:\n      weight: 1.0\n"
+            "merge_method: linear\nparameters:\n  normalize: false\ndtype: float32\n",
+            "d",
+            cwd=one,
+        )
         report["d"] = {"error": e_d} if e_d else {}
         if t_d:
             # out = w * orca + plat  ->  least-squares w per tensor
-            for k in ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
-                      "model.layers.0.input_layernorm.weight", "model.norm.weight", "lm_head.weight"]:
+            for k in [
+                "model.embed_tokens.weight",
+                "model.layers.0.mlp.up_proj.weight",
+                "model.layers.0.input_layernorm.weight",
+                "model.norm.weight",
+                "lm_head.weight",
+            ]:
                 a = orca[k].double().flatten()
                 w = ((t_d[k].double().flatten() - plat[k].double().flatten()) @ a / (a @ a)).item()
                 report["d"][k] = round(w, 6)
@@ -497,19 +533,27 @@ def run_probes(python: Path) -> None:
         path = tmp / "e2.yml"
         path.write_text(tok)
         with tempfile.TemporaryDirectory() as o:
-            res = subprocess.run([str(python.parent / "mergekit-yaml"), str(path), o], cwd=OUT_DIR,
-                                 env=_env(), capture_output=True, text=True)
-            report["e"]["default flags"] = ("ok" if res.returncode == 0 else _error_message(res.stderr, [o]))
+            res = subprocess.run(
+                [str(python.parent / "mergekit-yaml"), str(path), o],
+                cwd=OUT_DIR,
+                env=_env(),
+                capture_output=True,
+                text=True,
+            )
+            report["e"]["default flags"] = "ok" if res.returncode == 0 else _error_message(res.stderr, [o])
             report["e"]["default flags files"] = sorted(os.listdir(o)) if res.returncode == 0 else None
 
         # f. per-model filter substring vs full tensor name
-        t_f, e_f = merge(f"models:\n  - model: {ORCA}\n    parameters:\n      weight:\n"
-                         "        - filter: layers.1.\n          value: 1.0\n"
-                         "        - filter: model.layers.0.mlp.up_proj.weight\n          value: 2.0\n"
-                         "        - filter: model.norm\n          value: 3.0\n"
-                         "        - value: 0.0\n"
-                         f"  - model: {PLATYPUS}\n    parameters:\n      weight: 1.0\n"
-                         "merge_method: linear\nparameters:\n  normalize: false\ndtype: float32\n", "f")
+        t_f, e_f = merge(
+            f"models:\n  - model: {ORCA}\n    parameters:\n      weight:\n"
+            "        - filter: layers.1.\n          value: 1.0\n"
+            "        - filter: model.layers.0.mlp.up_proj.weight\n          value: 2.0\n"
+            "        - filter: model.norm\n          value: 3.0\n"
+            "        - value: 0.0\n"
+            f"  - model: {PLATYPUS}\n    parameters:\n      weight: 1.0\n"
+            "merge_method: linear\nparameters:\n  normalize: false\ndtype: float32\n",
+            "f",
+        )
         report["f"] = {"error": e_f} if e_f else {}
         if t_f:
             weights = {}
@@ -529,8 +573,9 @@ def run_probes(python: Path) -> None:
                 t = i / (LAYERS - 1)
                 d = _interp([1, 0.7, 0.1], t)
                 w = _interp([0, 0.3, 0.7, 1], t)
-                text = (cfg.replace("density: [1, 0.7, 0.1] # density gradient", f"density: {d!r}")
-                        .replace("weight: [0, 0.3, 0.7, 1] # weight gradient", f"weight: {w!r}"))
+                text = cfg.replace("density: [1, 0.7, 0.1] # density gradient", f"density: {d!r}").replace(
+                    "weight: [0, 0.3, 0.7, 1] # weight gradient", f"weight: {w!r}"
+                )
                 scalar_runs[i], err = merge(text, f"g_{variant}_{i}")
                 if err:
                     raise RuntimeError(err)
@@ -541,10 +586,12 @@ def run_probes(python: Path) -> None:
                 key = f"layer {_layer(k)}" if _layer(k) is not None else k
                 matches[key] = matches[key] & hit if key in matches else hit
             report[f"g_{variant}"] = {
-                "scalar t runs (density, weight)": {i: (round(_interp([1, 0.7, 0.1], i / 3), 6),
-                                                        round(_interp([0, 0.3, 0.7, 1], i / 3), 6))
-                                                    for i in range(LAYERS)},
-                "bit-identical to scalar run(s)": {k: sorted(v) for k, v in matches.items()}}
+                "scalar t runs (density, weight)": {
+                    i: (round(_interp([1, 0.7, 0.1], i / 3), 6), round(_interp([0, 0.3, 0.7, 1], i / 3), 6))
+                    for i in range(LAYERS)
+                },
+                "bit-identical to scalar run(s)": {k: sorted(v) for k, v in matches.items()},
+            }
 
     print(json.dumps(report, indent=2, default=str))
 

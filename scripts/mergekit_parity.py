@@ -120,8 +120,15 @@ def _oracle_python() -> Path:
 
 
 def _case(name: str, method: str, parameters: dict, k: int, shape: tuple, note: str, **options: Any) -> dict:
-    return {"case": name, "method": method, "parameters": parameters, "n_experts": k, "shape": list(shape),
-            "note": note, **options}
+    return {
+        "case": name,
+        "method": method,
+        "parameters": parameters,
+        "n_experts": k,
+        "shape": list(shape),
+        "note": note,
+        **options,
+    }
 
 
 def _w(k: int) -> list[float]:
@@ -130,156 +137,485 @@ def _w(k: int) -> list[float]:
 
 CASES: list[dict] = [
     # linear: base_index is ignored by mergekit (BasePolicy.IGNORED); weight binds to all inputs
-    _case("linear_norm_k3", "linear", {"weight": [0.5, 1.0, 0.25], "normalize": True}, 3, (16, 24),
-          "experts only; weights do not sum to 1 so normalisation matters", base_input="none"),
-    _case("linear_nonorm_k2", "linear", {"weight": [0.5, 1.0], "normalize": False}, 2, (3, 4, 5),
-          "experts only; plain weighted sum", base_input="none"),
-    _case("linear_default_k2", "linear", {"weight": [0.3, 0.9]}, 2, (7,),
-          "experts only; normalize defaults to true", base_input="none"),
-    _case("linear_negw_k3", "linear", {"weight": [1.0, -0.4, 0.6], "normalize": True}, 3, (7,),
-          "experts only; a negative weight", base_input="none"),
-    _case("linear_with_base_norm", "linear", {"weight": [0.2, 0.5, 0.3], "normalize": True}, 2, (16, 24),
-          "the base is input 0 with its own weight (weights bind to every input)", base_input="weighted"),
-    _case("linear_with_base_nonorm", "linear", {"weight": [-1.0, 0.7, 0.6], "normalize": False}, 2, (3, 4, 5),
-          "base as weighted input 0 with weight -1: out = sum_i w_i x_i with the base included",
-          base_input="weighted"),
-    _case("linear_zero_tensor", "linear", {"weight": [0.5, 0.5], "normalize": True}, 2, (7,),
-          "experts only; expert 1 is all zeros", base_input="none", zero_tensor=1),
+    _case(
+        "linear_norm_k3",
+        "linear",
+        {"weight": [0.5, 1.0, 0.25], "normalize": True},
+        3,
+        (16, 24),
+        "experts only; weights do not sum to 1 so normalisation matters",
+        base_input="none",
+    ),
+    _case(
+        "linear_nonorm_k2",
+        "linear",
+        {"weight": [0.5, 1.0], "normalize": False},
+        2,
+        (3, 4, 5),
+        "experts only; plain weighted sum",
+        base_input="none",
+    ),
+    _case(
+        "linear_default_k2",
+        "linear",
+        {"weight": [0.3, 0.9]},
+        2,
+        (7,),
+        "experts only; normalize defaults to true",
+        base_input="none",
+    ),
+    _case(
+        "linear_negw_k3",
+        "linear",
+        {"weight": [1.0, -0.4, 0.6], "normalize": True},
+        3,
+        (7,),
+        "experts only; a negative weight",
+        base_input="none",
+    ),
+    _case(
+        "linear_with_base_norm",
+        "linear",
+        {"weight": [0.2, 0.5, 0.3], "normalize": True},
+        2,
+        (16, 24),
+        "the base is input 0 with its own weight (weights bind to every input)",
+        base_input="weighted",
+    ),
+    _case(
+        "linear_with_base_nonorm",
+        "linear",
+        {"weight": [-1.0, 0.7, 0.6], "normalize": False},
+        2,
+        (3, 4, 5),
+        "base as weighted input 0 with weight -1: out = sum_i w_i x_i with the base included",
+        base_input="weighted",
+    ),
+    _case(
+        "linear_zero_tensor",
+        "linear",
+        {"weight": [0.5, 0.5], "normalize": True},
+        2,
+        (7,),
+        "experts only; expert 1 is all zeros",
+        base_input="none",
+        zero_tensor=1,
+    ),
     # task_arithmetic
-    _case("ta_lambda", "task_arithmetic", {"weight": [1.0, 0.5], "lambda": 0.7}, 2, (16, 24),
-          "lambda != 1, normalize default false"),
-    _case("ta_norm_lambda_k3", "task_arithmetic", {"weight": [0.6, 0.3, 0.9], "normalize": True, "lambda": 1.3},
-          3, (3, 4, 5), "normalize by the sum of weights, then lambda"),
-    _case("ta_default_k3", "task_arithmetic", {"weight": [1.0, -0.5, 0.8]}, 3, (7,),
-          "defaults (lambda 1, normalize false); a negative weight"),
-    _case("ta_zero_expert", "task_arithmetic", {"weight": [1.0, 1.0, 0.5], "normalize": True}, 3, (16, 24),
-          "expert 1 exactly equals the base", zero_expert=1),
+    _case(
+        "ta_lambda",
+        "task_arithmetic",
+        {"weight": [1.0, 0.5], "lambda": 0.7},
+        2,
+        (16, 24),
+        "lambda != 1, normalize default false",
+    ),
+    _case(
+        "ta_norm_lambda_k3",
+        "task_arithmetic",
+        {"weight": [0.6, 0.3, 0.9], "normalize": True, "lambda": 1.3},
+        3,
+        (3, 4, 5),
+        "normalize by the sum of weights, then lambda",
+    ),
+    _case(
+        "ta_default_k3",
+        "task_arithmetic",
+        {"weight": [1.0, -0.5, 0.8]},
+        3,
+        (7,),
+        "defaults (lambda 1, normalize false); a negative weight",
+    ),
+    _case(
+        "ta_zero_expert",
+        "task_arithmetic",
+        {"weight": [1.0, 1.0, 0.5], "normalize": True},
+        3,
+        (16, 24),
+        "expert 1 exactly equals the base",
+        zero_expert=1,
+    ),
     # ties
-    _case("ties_d05_k3", "ties", {"weight": [1.0, 0.8, 0.6], "density": [0.5, 0.5, 0.5]}, 3, (16, 24),
-          "density 0.5, normalize default true"),
-    _case("ties_d10_k2", "ties", {"weight": [0.7, 0.3], "density": [1.0, 1.0]}, 2, (16, 24),
-          "density 1.0: no pruning, sign election only"),
-    _case("ties_d05_nonorm", "ties", {"weight": [1.0, 0.5], "density": [0.5, 0.7], "normalize": False}, 2,
-          (3, 4, 5), "normalize false, per-expert densities"),
-    _case("ties_negw_k3", "ties", {"weight": [1.0, -0.5, 0.8], "density": [0.5, 0.5, 0.5]}, 3, (3, 4, 5),
-          "a negative weight (election on weighted deltas)"),
-    _case("ties_lambda_1d", "ties", {"weight": [1.0, 1.0], "density": [0.5, 0.5], "lambda": 0.5}, 2, (7,),
-          "1-D tensor, k = max(1, int(0.5 * 7)) = 3, lambda 0.5"),
-    _case("ties_rescale", "ties", {"weight": [1.0, 0.5], "density": [0.3, 0.6], "rescale": True}, 2, (16, 24),
-          "magnitude pruning with L1 rescale"),
-    _case("ties_zero_expert", "ties", {"weight": [1.0, 1.0, 1.0], "density": [0.5, 0.5, 0.5]}, 3, (16, 24),
-          "expert 2 exactly equals the base", zero_expert=2),
-    _case("ties_large", "ties", {"weight": [1.0, 0.6, 0.8], "density": [0.3, 0.3, 0.5]}, 3, (64, 48),
-          "the one larger tensor"),
+    _case(
+        "ties_d05_k3",
+        "ties",
+        {"weight": [1.0, 0.8, 0.6], "density": [0.5, 0.5, 0.5]},
+        3,
+        (16, 24),
+        "density 0.5, normalize default true",
+    ),
+    _case(
+        "ties_d10_k2",
+        "ties",
+        {"weight": [0.7, 0.3], "density": [1.0, 1.0]},
+        2,
+        (16, 24),
+        "density 1.0: no pruning, sign election only",
+    ),
+    _case(
+        "ties_d05_nonorm",
+        "ties",
+        {"weight": [1.0, 0.5], "density": [0.5, 0.7], "normalize": False},
+        2,
+        (3, 4, 5),
+        "normalize false, per-expert densities",
+    ),
+    _case(
+        "ties_negw_k3",
+        "ties",
+        {"weight": [1.0, -0.5, 0.8], "density": [0.5, 0.5, 0.5]},
+        3,
+        (3, 4, 5),
+        "a negative weight (election on weighted deltas)",
+    ),
+    _case(
+        "ties_lambda_1d",
+        "ties",
+        {"weight": [1.0, 1.0], "density": [0.5, 0.5], "lambda": 0.5},
+        2,
+        (7,),
+        "1-D tensor, k = max(1, int(0.5 * 7)) = 3, lambda 0.5",
+    ),
+    _case(
+        "ties_rescale",
+        "ties",
+        {"weight": [1.0, 0.5], "density": [0.3, 0.6], "rescale": True},
+        2,
+        (16, 24),
+        "magnitude pruning with L1 rescale",
+    ),
+    _case(
+        "ties_zero_expert",
+        "ties",
+        {"weight": [1.0, 1.0, 1.0], "density": [0.5, 0.5, 0.5]},
+        3,
+        (16, 24),
+        "expert 2 exactly equals the base",
+        zero_expert=2,
+    ),
+    _case(
+        "ties_large",
+        "ties",
+        {"weight": [1.0, 0.6, 0.8], "density": [0.3, 0.3, 0.5]},
+        3,
+        (64, 48),
+        "the one larger tensor",
+    ),
     # dare_linear
-    _case("dare_linear_d06", "dare_linear", {"weight": [0.5, 0.5], "density": [0.6, 0.6]}, 2, (16, 24),
-          "density 0.6, rescale default true (L1 norm matching, not 1/density)"),
-    _case("dare_linear_d06_norescale", "dare_linear",
-          {"weight": [1.0, 0.5, 0.75], "density": [0.6, 0.6, 0.6], "rescale": False}, 3, (3, 4, 5),
-          "rescale false"),
-    _case("dare_linear_mixed_density", "dare_linear",
-          {"weight": [1.0, 0.5, 0.75], "density": [0.6, 1.0, 0.4], "normalize": True}, 3, (16, 24),
-          "expert 1 has density 1.0: no bernoulli call for it (masks for experts 0 and 2 only)"),
-    _case("dare_linear_zero_expert", "dare_linear", {"weight": [1.0, 1.0], "density": [0.6, 0.6]}, 2, (7,),
-          "expert 0 exactly equals the base (a mask is still drawn for it)", zero_expert=0),
+    _case(
+        "dare_linear_d06",
+        "dare_linear",
+        {"weight": [0.5, 0.5], "density": [0.6, 0.6]},
+        2,
+        (16, 24),
+        "density 0.6, rescale default true (L1 norm matching, not 1/density)",
+    ),
+    _case(
+        "dare_linear_d06_norescale",
+        "dare_linear",
+        {"weight": [1.0, 0.5, 0.75], "density": [0.6, 0.6, 0.6], "rescale": False},
+        3,
+        (3, 4, 5),
+        "rescale false",
+    ),
+    _case(
+        "dare_linear_mixed_density",
+        "dare_linear",
+        {"weight": [1.0, 0.5, 0.75], "density": [0.6, 1.0, 0.4], "normalize": True},
+        3,
+        (16, 24),
+        "expert 1 has density 1.0: no bernoulli call for it (masks for experts 0 and 2 only)",
+    ),
+    _case(
+        "dare_linear_zero_expert",
+        "dare_linear",
+        {"weight": [1.0, 1.0], "density": [0.6, 0.6]},
+        2,
+        (7,),
+        "expert 0 exactly equals the base (a mask is still drawn for it)",
+        zero_expert=0,
+    ),
     # dare_ties
-    _case("dare_ties_d06", "dare_ties", {"weight": [1.0, 0.8, 0.6], "density": [0.6, 0.6, 0.6]}, 3, (16, 24),
-          "density 0.6, rescale default true, normalize default false"),
-    _case("dare_ties_d06_norescale", "dare_ties",
-          {"weight": [1.0, 0.5], "density": [0.6, 0.6], "rescale": False, "normalize": True}, 2, (16, 24),
-          "rescale false, normalize true"),
-    _case("dare_ties_negw_1d", "dare_ties", {"weight": [1.0, -0.7, 0.5], "density": [0.6, 0.5, 0.6]}, 3, (7,),
-          "1-D, a negative weight"),
-    _case("dare_ties_zero_expert", "dare_ties", {"weight": [1.0, 1.0, 1.0], "density": [0.6, 0.6, 0.6]}, 3,
-          (3, 4, 5), "expert 1 exactly equals the base", zero_expert=1),
+    _case(
+        "dare_ties_d06",
+        "dare_ties",
+        {"weight": [1.0, 0.8, 0.6], "density": [0.6, 0.6, 0.6]},
+        3,
+        (16, 24),
+        "density 0.6, rescale default true, normalize default false",
+    ),
+    _case(
+        "dare_ties_d06_norescale",
+        "dare_ties",
+        {"weight": [1.0, 0.5], "density": [0.6, 0.6], "rescale": False, "normalize": True},
+        2,
+        (16, 24),
+        "rescale false, normalize true",
+    ),
+    _case(
+        "dare_ties_negw_1d",
+        "dare_ties",
+        {"weight": [1.0, -0.7, 0.5], "density": [0.6, 0.5, 0.6]},
+        3,
+        (7,),
+        "1-D, a negative weight",
+    ),
+    _case(
+        "dare_ties_zero_expert",
+        "dare_ties",
+        {"weight": [1.0, 1.0, 1.0], "density": [0.6, 0.6, 0.6]},
+        3,
+        (3, 4, 5),
+        "expert 1 exactly equals the base",
+        zero_expert=1,
+    ),
     # breadcrumbs
-    _case("breadcrumbs_d08_g005", "breadcrumbs",
-          {"weight": [1.0, 0.5, 0.75], "density": [0.8, 0.8, 0.8], "gamma": [0.05, 0.05, 0.05]}, 3, (16, 24),
-          "density 0.8, gamma 0.05: drop the top 5% and the bottom 15%"),
-    _case("breadcrumbs_default", "breadcrumbs", {"weight": [1.0, 0.5]}, 2, (16, 24),
-          "default density 1.0 (and gamma 0.01): mergekit skips sparsification entirely at density >= 1"),
-    _case("breadcrumbs_gamma_clip", "breadcrumbs",
-          {"weight": [1.0, 0.5], "density": [0.9, 0.9], "gamma": [0.2, 0.2], "normalize": True}, 2, (3, 4, 5),
-          "density + gamma > 1: the bottom cut is clamped to 0, so only the top 10% are dropped"),
-    _case("breadcrumbs_ties_d08_g005", "breadcrumbs_ties",
-          {"weight": [1.0, -0.5, 0.75], "density": [0.8, 0.8, 0.8], "gamma": [0.05, 0.05, 0.05]}, 3, (16, 24),
-          "density 0.8, gamma 0.05, a negative weight"),
-    _case("breadcrumbs_ties_default", "breadcrumbs_ties", {"weight": [1.0, 0.5]}, 2, (3, 4, 5),
-          "default density 1.0: sign election only"),
-    _case("breadcrumbs_ties_norm_1d", "breadcrumbs_ties",
-          {"weight": [1.0, 0.5], "density": [0.8, 0.6], "gamma": [0.05, 0.1], "normalize": True}, 2, (7,),
-          "1-D, normalize true, per-expert density and gamma"),
+    _case(
+        "breadcrumbs_d08_g005",
+        "breadcrumbs",
+        {"weight": [1.0, 0.5, 0.75], "density": [0.8, 0.8, 0.8], "gamma": [0.05, 0.05, 0.05]},
+        3,
+        (16, 24),
+        "density 0.8, gamma 0.05: drop the top 5% and the bottom 15%",
+    ),
+    _case(
+        "breadcrumbs_default",
+        "breadcrumbs",
+        {"weight": [1.0, 0.5]},
+        2,
+        (16, 24),
+        "default density 1.0 (and gamma 0.01): mergekit skips sparsification entirely at density >= 1",
+    ),
+    _case(
+        "breadcrumbs_gamma_clip",
+        "breadcrumbs",
+        {"weight": [1.0, 0.5], "density": [0.9, 0.9], "gamma": [0.2, 0.2], "normalize": True},
+        2,
+        (3, 4, 5),
+        "density + gamma > 1: the bottom cut is clamped to 0, so only the top 10% are dropped",
+    ),
+    _case(
+        "breadcrumbs_ties_d08_g005",
+        "breadcrumbs_ties",
+        {"weight": [1.0, -0.5, 0.75], "density": [0.8, 0.8, 0.8], "gamma": [0.05, 0.05, 0.05]},
+        3,
+        (16, 24),
+        "density 0.8, gamma 0.05, a negative weight",
+    ),
+    _case(
+        "breadcrumbs_ties_default",
+        "breadcrumbs_ties",
+        {"weight": [1.0, 0.5]},
+        2,
+        (3, 4, 5),
+        "default density 1.0: sign election only",
+    ),
+    _case(
+        "breadcrumbs_ties_norm_1d",
+        "breadcrumbs_ties",
+        {"weight": [1.0, 0.5], "density": [0.8, 0.6], "gamma": [0.05, 0.1], "normalize": True},
+        2,
+        (7,),
+        "1-D, normalize true, per-expert density and gamma",
+    ),
     # della
-    _case("della_d05_e01", "della",
-          {"weight": [1.0, 0.8, 0.6], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]}, 3, (16, 24),
-          "density 0.5, epsilon 0.1, rescale and normalize default true"),
-    _case("della_norescale", "della",
-          {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1], "rescale": False}, 2, (16, 24),
-          "rescale false"),
-    _case("della_3d", "della", {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1]}, 2,
-          (3, 4, 5), "3-D: mergekit ranks magnitudes along dim 1 (not the last dim)"),
-    _case("della_zero_expert", "della",
-          {"weight": [1.0, 1.0, 1.0], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]}, 3, (16, 24),
-          "expert 0 exactly equals the base: its ranks are all ties (its probs are not meaningful)",
-          zero_expert=0),
-    _case("della_linear_d05_e01", "della_linear",
-          {"weight": [1.0, 0.5, 0.75], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]}, 3, (16, 24),
-          "density 0.5, epsilon 0.1, rescale default true, normalize default false"),
-    _case("della_linear_norescale_1d", "della_linear",
-          {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1], "rescale": False}, 2, (7,),
-          "1-D (ranked as one row), rescale false"),
-    _case("della_linear_norm_lambda", "della_linear",
-          {"weight": [0.6, 0.4], "density": [0.5, 0.6], "epsilon": [0.1, 0.2], "normalize": True, "lambda": 1.5},
-          2, (16, 24), "normalize true, lambda 1.5, per-expert density and epsilon"),
+    _case(
+        "della_d05_e01",
+        "della",
+        {"weight": [1.0, 0.8, 0.6], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]},
+        3,
+        (16, 24),
+        "density 0.5, epsilon 0.1, rescale and normalize default true",
+    ),
+    _case(
+        "della_norescale",
+        "della",
+        {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1], "rescale": False},
+        2,
+        (16, 24),
+        "rescale false",
+    ),
+    _case(
+        "della_3d",
+        "della",
+        {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1]},
+        2,
+        (3, 4, 5),
+        "3-D: mergekit ranks magnitudes along dim 1 (not the last dim)",
+    ),
+    _case(
+        "della_zero_expert",
+        "della",
+        {"weight": [1.0, 1.0, 1.0], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]},
+        3,
+        (16, 24),
+        "expert 0 exactly equals the base: its ranks are all ties (its probs are not meaningful)",
+        zero_expert=0,
+    ),
+    _case(
+        "della_linear_d05_e01",
+        "della_linear",
+        {"weight": [1.0, 0.5, 0.75], "density": [0.5, 0.5, 0.5], "epsilon": [0.1, 0.1, 0.1]},
+        3,
+        (16, 24),
+        "density 0.5, epsilon 0.1, rescale default true, normalize default false",
+    ),
+    _case(
+        "della_linear_norescale_1d",
+        "della_linear",
+        {"weight": [1.0, 0.5], "density": [0.5, 0.5], "epsilon": [0.1, 0.1], "rescale": False},
+        2,
+        (7,),
+        "1-D (ranked as one row), rescale false",
+    ),
+    _case(
+        "della_linear_norm_lambda",
+        "della_linear",
+        {"weight": [0.6, 0.4], "density": [0.5, 0.6], "epsilon": [0.1, 0.2], "normalize": True, "lambda": 1.5},
+        2,
+        (16, 24),
+        "normalize true, lambda 1.5, per-expert density and epsilon",
+    ),
     # model_stock: the base is required; at least 2 experts
     _case("model_stock_k2", "model_stock", {}, 2, (16, 24), "filter_wise default false: one angle per tensor"),
-    _case("model_stock_k3", "model_stock", {"filter_wise": False}, 3, (3, 4, 5),
-          "K=3: mean of the 3 pairwise cosines"),
-    _case("model_stock_k2_fw", "model_stock", {"filter_wise": True}, 2, (16, 24),
-          "filter_wise: one angle per row (last dim); rows where an expert equals the base get t = 0"),
+    _case("model_stock_k3", "model_stock", {"filter_wise": False}, 3, (3, 4, 5), "K=3: mean of the 3 pairwise cosines"),
+    _case(
+        "model_stock_k2_fw",
+        "model_stock",
+        {"filter_wise": True},
+        2,
+        (16, 24),
+        "filter_wise: one angle per row (last dim); rows where an expert equals the base get t = 0",
+    ),
     _case("model_stock_k3_fw", "model_stock", {"filter_wise": True}, 3, (16, 24), "filter_wise, K=3"),
-    _case("model_stock_k3_fw_3d", "model_stock", {"filter_wise": True}, 3, (3, 4, 5),
-          "filter_wise on 3-D: angles over the last dim, shape (3, 4)"),
-    _case("model_stock_k2_fw_1d", "model_stock", {"filter_wise": True}, 2, (7,),
-          "filter_wise on 1-D: the tensor is one row"),
+    _case(
+        "model_stock_k3_fw_3d",
+        "model_stock",
+        {"filter_wise": True},
+        3,
+        (3, 4, 5),
+        "filter_wise on 3-D: angles over the last dim, shape (3, 4)",
+    ),
+    _case(
+        "model_stock_k2_fw_1d",
+        "model_stock",
+        {"filter_wise": True},
+        2,
+        (7,),
+        "filter_wise on 1-D: the tensor is one row",
+    ),
     # slerp: inputs [base, x0]; t=0 gives the base, t=1 the expert; whole tensor is one vector
     _case("slerp_t03", "slerp", {"t": 0.3}, 1, (16, 24), "t 0.3, spherical branch"),
     _case("slerp_t0", "slerp", {"t": 0.0}, 1, (16, 24), "t 0: the base"),
     _case("slerp_t1", "slerp", {"t": 1.0}, 1, (16, 24), "t 1: the expert"),
     _case("slerp_t07_3d", "slerp", {"t": 0.7}, 1, (3, 4, 5), "3-D, t 0.7"),
-    _case("slerp_t03_nearly_colinear", "slerp", {"t": 0.3}, 1, (7,),
-          "tiny delta: |cos| > 0.9995, so linear interpolation", delta_scale=1e-5, zero_rows=False),
-    _case("slerp_t03_far", "slerp", {"t": 0.3}, 1, (16, 24),
-          "expert delta as large as the base (angle far from 0)", delta_scale=0.02),
+    _case(
+        "slerp_t03_nearly_colinear",
+        "slerp",
+        {"t": 0.3},
+        1,
+        (7,),
+        "tiny delta: |cos| > 0.9995, so linear interpolation",
+        delta_scale=1e-5,
+        zero_rows=False,
+    ),
+    _case(
+        "slerp_t03_far",
+        "slerp",
+        {"t": 0.3},
+        1,
+        (16, 24),
+        "expert delta as large as the base (angle far from 0)",
+        delta_scale=0.02,
+    ),
     # nuslerp: exactly 2 non-base inputs, base optional; t = w1 / (w0 + w1)
-    _case("nuslerp_base_flat", "nuslerp", {"weight": [0.3, 0.7]}, 2, (16, 24),
-          "with base (slerp of the deltas); nuslerp_flatten default true"),
-    _case("nuslerp_base_rows", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": False}, 2, (16, 24),
-          "with base, not flattened: one angle per vector along the last dim"),
-    _case("nuslerp_base_rowwise", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True}, 2, (16, 24),
-          "with base, row_wise: one angle per vector along dim 0 (i.e. per column)"),
-    _case("nuslerp_base_rowwise_3d", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True}, 2, (3, 4, 5),
-          "with base, 3-D row_wise: dim 0 swapped with the last dim"),
-    _case("nuslerp_base_flat_rowwise", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": True, "nuslerp_row_wise": True}, 2, (3, 4, 5),
-          "flatten wins over row_wise"),
-    _case("nuslerp_nobase_flat", "nuslerp", {"weight": [0.3, 0.7]}, 2, (16, 24),
-          "no base: slerp of the expert tensors themselves", base_input="none"),
-    _case("nuslerp_nobase_rows", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": False}, 2, (3, 4, 5),
-          "no base, not flattened, last dim; fibre [1, 2] is identical in both experts, so that fibre "
-          "takes the colinear (linear interpolation) branch", base_input="none"),
-    _case("nuslerp_nobase_rowwise", "nuslerp",
-          {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True}, 2, (16, 24),
-          "no base, row_wise", base_input="none"),
-    _case("nuslerp_nobase_zero_tensor", "nuslerp", {"weight": [0.3, 0.7], "nuslerp_flatten": False}, 2,
-          (16, 24), "no base; expert 1 is all zeros (its norm is clamped, so cos = 0)", base_input="none",
-          zero_tensor=1),
-    _case("nuslerp_base_zero_expert", "nuslerp", {"weight": [0.3, 0.7]}, 2, (7,),
-          "with base; expert 0 exactly equals the base", zero_expert=0),
+    _case(
+        "nuslerp_base_flat",
+        "nuslerp",
+        {"weight": [0.3, 0.7]},
+        2,
+        (16, 24),
+        "with base (slerp of the deltas); nuslerp_flatten default true",
+    ),
+    _case(
+        "nuslerp_base_rows",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": False},
+        2,
+        (16, 24),
+        "with base, not flattened: one angle per vector along the last dim",
+    ),
+    _case(
+        "nuslerp_base_rowwise",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True},
+        2,
+        (16, 24),
+        "with base, row_wise: one angle per vector along dim 0 (i.e. per column)",
+    ),
+    _case(
+        "nuslerp_base_rowwise_3d",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True},
+        2,
+        (3, 4, 5),
+        "with base, 3-D row_wise: dim 0 swapped with the last dim",
+    ),
+    _case(
+        "nuslerp_base_flat_rowwise",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": True, "nuslerp_row_wise": True},
+        2,
+        (3, 4, 5),
+        "flatten wins over row_wise",
+    ),
+    _case(
+        "nuslerp_nobase_flat",
+        "nuslerp",
+        {"weight": [0.3, 0.7]},
+        2,
+        (16, 24),
+        "no base: slerp of the expert tensors themselves",
+        base_input="none",
+    ),
+    _case(
+        "nuslerp_nobase_rows",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": False},
+        2,
+        (3, 4, 5),
+        "no base, not flattened, last dim; fibre [1, 2] is identical in both experts, so that fibre "
+        "takes the colinear (linear interpolation) branch",
+        base_input="none",
+    ),
+    _case(
+        "nuslerp_nobase_rowwise",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False, "nuslerp_row_wise": True},
+        2,
+        (16, 24),
+        "no base, row_wise",
+        base_input="none",
+    ),
+    _case(
+        "nuslerp_nobase_zero_tensor",
+        "nuslerp",
+        {"weight": [0.3, 0.7], "nuslerp_flatten": False},
+        2,
+        (16, 24),
+        "no base; expert 1 is all zeros (its norm is clamped, so cos = 0)",
+        base_input="none",
+        zero_tensor=1,
+    ),
+    _case(
+        "nuslerp_base_zero_expert",
+        "nuslerp",
+        {"weight": [0.3, 0.7]},
+        2,
+        (7,),
+        "with base; expert 0 exactly equals the base",
+        zero_expert=0,
+    ),
 ]
 
 RANDOM_METHODS = {"dare_linear", "dare_ties", "della", "della_linear"}
@@ -348,8 +684,8 @@ class _Capture:
         self.replay = None if replay is None else list(replay)
 
     def __enter__(self):
-        import torch
         import mergekit.sparsify as sp
+        import torch
 
         if sp.torch is not torch:
             raise RuntimeError("mergekit.sparsify.torch is not the torch module; cannot patch it")
@@ -499,8 +835,11 @@ def generate_case(case: dict) -> tuple[dict, dict]:
         "probs": bool(expected_calls) and method.startswith("della"),
         "resolved_parameters": resolved,
         "parameter_scopes": scopes,
-        "zero_delta_at": {str(i): [list(idx) for idx in rows] for i, rows in zero_rows.items()
-                          if i not in (case.get("zero_expert"), case.get("zero_tensor"))},
+        "zero_delta_at": {
+            str(i): [list(idx) for idx in rows]
+            for i, rows in zero_rows.items()
+            if i not in (case.get("zero_expert"), case.get("zero_tensor"))
+        },
         "zero_expert": case.get("zero_expert"),
         "zero_tensor": case.get("zero_tensor"),
     }
@@ -508,9 +847,9 @@ def generate_case(case: dict) -> tuple[dict, dict]:
 
 
 def generate(out_dir: Path, check: bool) -> int:
-    import torch
     from importlib.metadata import version
 
+    import torch
     from safetensors.torch import load_file, save_file
 
     if version("mergekit") != MERGEKIT_VERSION:
@@ -524,14 +863,25 @@ def generate(out_dir: Path, check: bool) -> int:
         record, ts = generate_case(case)
         records.append(record)
         tensors.update(ts)
-        print(f"{record['case']:32s} {record['method']:16s} {str(tuple(record['shape'])):12s}"
-              f" bernoulli calls: {len(record['mask_experts'])}", file=sys.stderr)
+        print(
+            f"{record['case']:32s} {record['method']:16s} {str(tuple(record['shape'])):12s}"
+            f" bernoulli calls: {len(record['mask_experts'])}",
+            file=sys.stderr,
+        )
     text = json.dumps(records, indent=1) + "\n"
     st_path, json_path = out_dir / f"{STEM}.safetensors", out_dir / f"{STEM}.json"
     # One metadata key: safetensors writes several keys in hash order, so the bytes would vary.
-    metadata = {"mergekit_parity": json.dumps({"generator": "scripts/mergekit_parity.py", "seed": SEED,
-                                               "mergekit_version": MERGEKIT_VERSION,
-                                               "torch_version": torch.__version__}, sort_keys=True)}
+    metadata = {
+        "mergekit_parity": json.dumps(
+            {
+                "generator": "scripts/mergekit_parity.py",
+                "seed": SEED,
+                "mergekit_version": MERGEKIT_VERSION,
+                "torch_version": torch.__version__,
+            },
+            sort_keys=True,
+        )
+    }
     if check:
         ok = json_path.exists() and st_path.exists() and json_path.read_text() == text
         if ok:
@@ -543,15 +893,21 @@ def generate(out_dir: Path, check: bool) -> int:
     save_file(tensors, str(st_path), metadata=metadata)
     os.chmod(st_path, 0o644)  # safetensors creates the file 0600
     json_path.write_text(text)
-    print(f"wrote {len(records)} cases, {len(tensors)} tensors: {st_path} ({st_path.stat().st_size} B), "
-          f"{json_path} ({json_path.stat().st_size} B)", file=sys.stderr)
+    print(
+        f"wrote {len(records)} cases, {len(tensors)} tensors: {st_path} ({st_path.stat().st_size} B), "
+        f"{json_path} ({json_path.stat().st_size} B)",
+        file=sys.stderr,
+    )
     return 0
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--generate", action="store_true",
-                        help="generate now (needs mergekit importable); without it, find or make an interpreter")
+    parser.add_argument(
+        "--generate",
+        action="store_true",
+        help="generate now (needs mergekit importable); without it, find or make an interpreter",
+    )
     parser.add_argument("--check", action="store_true", help="compare a fresh generation with the files")
     parser.add_argument("--out-dir", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()

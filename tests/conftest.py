@@ -50,15 +50,33 @@ def session_dir() -> Path:
 @pytest.fixture(scope="session")
 def bf16_family(session_dir) -> FamilyPaths:
     """bf16 matrices + fp32 norms, 2 shards, tied embeddings, 2 dense experts and 1 LoRA-style."""
-    return make_family(session_dir / "fam-bf16", experts=("dense", "dense", "lora"), n_layers=3, hidden=64,
-                       intermediate=128, vocab=256, dtype="bfloat16", shards=2, seed=1)
+    return make_family(
+        session_dir / "fam-bf16",
+        experts=("dense", "dense", "lora"),
+        n_layers=3,
+        hidden=64,
+        intermediate=128,
+        vocab=256,
+        dtype="bfloat16",
+        shards=2,
+        seed=1,
+    )
 
 
 @pytest.fixture(scope="session")
 def fp32_family(session_dir) -> FamilyPaths:
     """All-fp32, 3 shards."""
-    return make_family(session_dir / "fam-fp32", experts=("dense", "lora", "dense"), n_layers=2, hidden=48,
-                       intermediate=96, vocab=128, dtype="float32", shards=3, seed=2)
+    return make_family(
+        session_dir / "fam-fp32",
+        experts=("dense", "lora", "dense"),
+        n_layers=2,
+        hidden=48,
+        intermediate=96,
+        vocab=128,
+        dtype="float32",
+        shards=3,
+        seed=2,
+    )
 
 
 @pytest.fixture(scope="session")

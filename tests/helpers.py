@@ -12,7 +12,9 @@ from mergepipe.devtools.synthetic import FamilyPaths, make_family, write_config,
 from .reference import load_model
 
 
-def config_for(tmp: Path, family: FamilyPaths, method: str, *, weights=None, density=None, name="merge.yaml", **extra) -> Path:
+def config_for(
+    tmp: Path, family: FamilyPaths, method: str, *, weights=None, density=None, name="merge.yaml", **extra
+) -> Path:
     extra.setdefault("block_size", "4KiB")
     extra.setdefault("out_shard_size", "64KB")
     return write_config(tmp / name, family, method, weights=weights or [0.5, 0.3, 0.8], density=density, **extra)

@@ -31,9 +31,21 @@ class PrefectServer:
         env = self._base_env()
         env.pop("PREFECT_API_URL", None)
         self.proc = subprocess.Popen(
-            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(self.port), "--no-ui",
-             "--analytics-off"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            [
+                str(BIN / "prefect"),
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--no-ui",
+                "--analytics-off",
+            ],
+            env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -60,18 +72,30 @@ class PrefectServer:
     def env(self, **extra: str) -> dict:
         """The environment of a client (CLI, worker, serve) of this server."""
         env = self._base_env()
-        env.update(PREFECT_API_URL=self.api_url, PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_RUNNER_POLL_FREQUENCY="1",
-                   PREFECT_WORKER_PREFETCH_SECONDS="1", **extra)
+        env.update(
+            PREFECT_API_URL=self.api_url,
+            PREFECT_WORKER_QUERY_SECONDS="1",
+            PREFECT_RUNNER_POLL_FREQUENCY="1",
+            PREFECT_WORKER_PREFETCH_SECONDS="1",
+            **extra,
+        )
         return env
 
     def run(self, *args: str, env: dict, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([str(BIN / args[0]), *args[1:]], env=env, cwd=cwd, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            [str(BIN / args[0]), *args[1:]], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
+        )
 
     def start(self, *args: str, env: dict, log: Path, cwd: Path | None = None) -> subprocess.Popen:
         """A long-running client (worker, serve) in its own process group."""
-        return subprocess.Popen([str(BIN / args[0]), *args[1:]], env=env, cwd=cwd, stdout=open(log, "w"),
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(
+            [str(BIN / args[0]), *args[1:]],
+            env=env,
+            cwd=cwd,
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     @staticmethod
     def terminate(proc: subprocess.Popen, timeout: float = 30) -> None:

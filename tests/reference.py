@@ -73,8 +73,21 @@ def den_of(weights):
     return 1.0 if abs(d) < 1e-8 else d
 
 
-def merge_tensor(method, name, base, experts, weights, densities, lam, normalize, rescale, seed, base_dtype, block_size,
-                 compute_dtype=None):
+def merge_tensor(
+    method,
+    name,
+    base,
+    experts,
+    weights,
+    densities,
+    lam,
+    normalize,
+    rescale,
+    seed,
+    base_dtype,
+    block_size,
+    compute_dtype=None,
+):
     def load(t):
         return (t.to(compute_dtype) if compute_dtype is not None else t).float()
 
@@ -126,8 +139,18 @@ DEFAULTS = {  # (normalize, rescale) per method, mergekit 0.1.5
 }
 
 
-def reference_merge(method, base_dir, expert_dirs, weights, densities=None, lam=1.0, seed=0, block_size=2**20, out_dtype=None,
-                    compute_dtype=None):
+def reference_merge(
+    method,
+    base_dir,
+    expert_dirs,
+    weights,
+    densities=None,
+    lam=1.0,
+    seed=0,
+    block_size=2**20,
+    out_dtype=None,
+    compute_dtype=None,
+):
     base = load_model(base_dir)
     experts = [load_model(e) for e in expert_dirs]
     densities = densities or [1.0] * len(expert_dirs)
@@ -137,7 +160,20 @@ def reference_merge(method, base_dir, expert_dirs, weights, densities=None, lam=
         if not t.is_floating_point():
             out[name] = t
             continue
-        merged = merge_tensor(method, name, t, [e[name] for e in experts], weights, densities, lam, normalize, rescale,
-                              seed, t.dtype, block_size, compute_dtype)
+        merged = merge_tensor(
+            method,
+            name,
+            t,
+            [e[name] for e in experts],
+            weights,
+            densities,
+            lam,
+            normalize,
+            rescale,
+            seed,
+            t.dtype,
+            block_size,
+            compute_dtype,
+        )
         out[name] = merged.to(out_dtype or compute_dtype or t.dtype)
     return out

@@ -137,8 +137,11 @@ class S3Proxy:
                     if method != "HEAD":
                         self.wfile.write(SLOW_DOWN)
                     self.wfile.flush()
-                    proxy._record(Exchange(method, key, self.headers.get("Range"), 503, len(SLOW_DOWN),
-                                           self.wfile.count - start, fault))
+                    proxy._record(
+                        Exchange(
+                            method, key, self.headers.get("Range"), 503, len(SLOW_DOWN), self.wfile.count - start, fault
+                        )
+                    )
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
                 try:
@@ -164,8 +167,11 @@ class S3Proxy:
                     self.close_connection = True
                 self.wfile.write(sent)
                 self.wfile.flush()
-                proxy._record(Exchange(method, key, self.headers.get("Range"), resp.status, len(sent),
-                                       self.wfile.count - start, fault))
+                proxy._record(
+                    Exchange(
+                        method, key, self.headers.get("Range"), resp.status, len(sent), self.wfile.count - start, fault
+                    )
+                )
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
 
@@ -247,8 +253,13 @@ class S3Server:
         """A boto3 client straight to the server (set-up and inspection, not counted)."""
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.direct, region_name="us-east-1",
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
+        return boto3.client(
+            "s3",
+            endpoint_url=self.direct,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
 
     def close(self) -> None:
         self.proxy.close()

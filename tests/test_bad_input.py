@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
+from mergepipe.devtools.synthetic import make_family, write_config, write_model
 from mergepipe.errors import BadInput
 from mergepipe.storage.safetensors_format import header_length, parse_header
-from mergepipe.devtools.synthetic import make_family, write_config, write_model
 
 from .reference import load_model
 
@@ -119,7 +119,9 @@ def offsets_overlapping(fam, cfg):
 
 
 def offsets_not_matching_shape(fam, cfg):
-    return _edit_matrix_entry(fam, lambda h, d, name: h[name]["data_offsets"].__setitem__(1, h[name]["data_offsets"][1] - 2))
+    return _edit_matrix_entry(
+        fam, lambda h, d, name: h[name]["data_offsets"].__setitem__(1, h[name]["data_offsets"][1] - 2)
+    )
 
 
 def unsupported_dtype(fam, cfg):
@@ -335,26 +337,63 @@ def weight_filter_misses_a_tensor(fam, cfg):
     # No condition matches the embeddings and there is no global weight: named per tensor,
     # before any statistics are taken.
     _edit_first_model(cfg, weight=[{"filter": "layers.", "value": 0.5}])
-    return "models[0].parameters.weight: required by merge_method 'task_arithmetic' for tensor 'model.embed_tokens.weight'"
+    return (
+        "models[0].parameters.weight: required by merge_method 'task_arithmetic' for tensor 'model.embed_tokens.weight'"
+    )
 
 
 CASES = [
-    truncated, shorter_than_8_bytes, header_longer_than_file, header_of_100_mb, header_not_json,
-    header_not_an_object, offsets_out_of_bounds, offsets_overlapping, offsets_not_matching_shape,
-    unsupported_dtype, entry_missing_offsets, negative_shape, duplicate_tensor_name,
-    index_names_missing_shard, index_tensor_missing_from_shard, weight_map_escapes_with_dotdot,
-    weight_map_absolute_path, weight_map_symlink_outside, shape_mismatch, tensor_only_in_expert,
-    tensor_only_in_base, nan_in_delta, inf_in_delta, budget_negative, budget_over_100_percent,
-    budget_not_a_size, unknown_operator, unknown_parameter, density_outside_range, unknown_yaml_key,
-    empty_expert_list, config_not_yaml, config_not_a_mapping, missing_expert_folder, mergekit_slices,
-    tokenizer_union, lora_reference, condition_with_unknown_key, weight_filter_misses_a_tensor,
+    truncated,
+    shorter_than_8_bytes,
+    header_longer_than_file,
+    header_of_100_mb,
+    header_not_json,
+    header_not_an_object,
+    offsets_out_of_bounds,
+    offsets_overlapping,
+    offsets_not_matching_shape,
+    unsupported_dtype,
+    entry_missing_offsets,
+    negative_shape,
+    duplicate_tensor_name,
+    index_names_missing_shard,
+    index_tensor_missing_from_shard,
+    weight_map_escapes_with_dotdot,
+    weight_map_absolute_path,
+    weight_map_symlink_outside,
+    shape_mismatch,
+    tensor_only_in_expert,
+    tensor_only_in_base,
+    nan_in_delta,
+    inf_in_delta,
+    budget_negative,
+    budget_over_100_percent,
+    budget_not_a_size,
+    unknown_operator,
+    unknown_parameter,
+    density_outside_range,
+    unknown_yaml_key,
+    empty_expert_list,
+    config_not_yaml,
+    config_not_a_mapping,
+    missing_expert_folder,
+    mergekit_slices,
+    tokenizer_union,
+    lora_reference,
+    condition_with_unknown_key,
+    weight_filter_misses_a_tensor,
 ]
 
 
 def catalog_rows(path: Path) -> dict:
     con = duckdb.connect(str(path), read_only=True)
     try:
-        tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE'").fetchall()]
+        tables = [
+            r[0]
+            for r in con.execute(
+                "SELECT table_name FROM information_schema.tables WHERE table_type = 'BASE TABLE'"
+            ).fetchall()
+        ]
         return {t: sorted(map(repr, con.execute(f'SELECT * FROM "{t}"').fetchall())) for t in tables}
     finally:
         con.close()
@@ -409,16 +448,20 @@ json_values = st.recursive(
     max_leaves=20,
 )
 entries = st.fixed_dictionaries(
-    {"dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "U8", "X9"]) | json_values,
-     "shape": st.lists(st.integers(-2, 2**40), max_size=4) | json_values,
-     "data_offsets": st.lists(st.integers(-2, 2**41), max_size=3) | json_values},
+    {
+        "dtype": st.sampled_from(["F32", "BF16", "F16", "I64", "U8", "X9"]) | json_values,
+        "shape": st.lists(st.integers(-2, 2**40), max_size=4) | json_values,
+        "data_offsets": st.lists(st.integers(-2, 2**41), max_size=3) | json_values,
+    },
     optional={"extra": json_values},
 )
 
 
 @settings(max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(header=st.dictionaries(st.text(max_size=12), entries | json_values, max_size=5),
-       size=st.integers(min_value=0, max_value=1 << 42))
+@given(
+    header=st.dictionaries(st.text(max_size=12), entries | json_values, max_size=5),
+    size=st.integers(min_value=0, max_value=1 << 42),
+)
 def test_fuzz_structured_headers_give_clean_errors(header, size):
     try:
         tensors, _ = parse_header(json.dumps(header).encode(), size, "f")

@@ -16,19 +16,40 @@ from mergepipe.cli import app
 from .helpers import config_for
 
 runner = CliRunner()
-CONTRACT = {"digest", "out", "manifest", "budget_bytes", "expert_bytes_planned", "expert_bytes_read", "error_bound", "wall_seconds"}
+CONTRACT = {
+    "digest",
+    "out",
+    "manifest",
+    "budget_bytes",
+    "expert_bytes_planned",
+    "expert_bytes_read",
+    "error_bound",
+    "wall_seconds",
+}
 
 
 def test_merge_json_contract_and_plan_explain(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
-    r = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--budget", "10%", "--json", "--catalog", session_catalog])
+    r = runner.invoke(
+        app,
+        ["merge", str(cfg), "--out", str(tmp_path / "out"), "--budget", "10%", "--json", "--catalog", session_catalog],
+    )
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     assert CONTRACT <= set(result)
     assert Path(result["manifest"]).exists()
     assert result["expert_bytes_read"] == result["expert_bytes_planned"] <= result["budget_bytes"]
-    history = runner.invoke(app, ["catalog", "sql", f"SELECT expert_bytes_read, out_uri FROM merge_history WHERE merge_digest = '{result['digest']}'",
-                                  "--json", "--catalog", session_catalog])
+    history = runner.invoke(
+        app,
+        [
+            "catalog",
+            "sql",
+            f"SELECT expert_bytes_read, out_uri FROM merge_history WHERE merge_digest = '{result['digest']}'",
+            "--json",
+            "--catalog",
+            session_catalog,
+        ],
+    )
     assert json.loads(history.stdout) == [{"expert_bytes_read": result["expert_bytes_read"], "out_uri": result["out"]}]
 
     p = runner.invoke(app, ["plan", str(cfg), "--budget", "10%", "--json", "--catalog", session_catalog])
@@ -39,24 +60,32 @@ def test_merge_json_contract_and_plan_explain(bf16_family, tmp_path, session_cat
     assert {r["expert"] for r in rows} == {0, 1, 2}
     assert sum(r["selected_bytes"] for r in rows) == plan["expert_bytes_planned"]
     assert all(0 <= r["captured_energy"] <= r["delta_energy"] for r in rows)
-    table = runner.invoke(app, ["plan", str(cfg), "--max-error", str(plan["error_bound"]), "--catalog", session_catalog])
+    table = runner.invoke(
+        app, ["plan", str(cfg), "--max-error", str(plan["error_bound"]), "--catalog", session_catalog]
+    )
     assert table.exit_code == 0 and "energy captured" in table.stdout
 
     again = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", session_catalog])
     assert again.exit_code == 2 and "already exists" in again.output
-    over = runner.invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--overwrite", "--json", "--catalog", session_catalog])
+    over = runner.invoke(
+        app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--overwrite", "--json", "--catalog", session_catalog]
+    )
     assert over.exit_code == 0, over.output
 
 
 def test_catalog_sql_is_read_only(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     assert runner.invoke(app, ["index", str(cfg), "--catalog", session_catalog]).exit_code == 0
-    r = runner.invoke(app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog])
+    r = runner.invoke(
+        app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog]
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)[0]["n"] > 0
     w = runner.invoke(app, ["catalog", "sql", "DELETE FROM block_stats", "--catalog", session_catalog])
     assert w.exit_code == 2 and "read-only" in w.output.lower()
-    r2 = runner.invoke(app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog])
+    r2 = runner.invoke(
+        app, ["catalog", "sql", "SELECT count(*) AS n FROM block_stats", "--json", "--catalog", session_catalog]
+    )
     assert json.loads(r2.stdout) == json.loads(r.stdout)
 
 
@@ -100,8 +129,13 @@ def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("merge_method: ties\nbase_model: b\nmodels:\n  - model: e\n    parameters: {weight: 1}\nfoo: 1\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    proc = subprocess.run([sys.executable, "-m", "mergepipe.cli", "merge", str(cfg), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "mergepipe.cli", "merge", str(cfg), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "foo: unknown key" in proc.stderr and "Traceback" not in proc.stderr
     assert str(cfg) in proc.stderr
@@ -131,7 +165,9 @@ def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
     full, part = out["merges"]["full"], out["merges"]["25pct"]
     assert full["verified"] and part["verified"]
     assert part["expert_bytes_read"] == part["expert_bytes_planned"] <= part["budget_bytes"]
-    assert full["expert_bytes_read"] == full["expert_bytes_planned"] < full["full_expert_bytes"]  # the LoRA's zero blocks
+    assert (
+        full["expert_bytes_read"] == full["expert_bytes_planned"] < full["full_expert_bytes"]
+    )  # the LoRA's zero blocks
     assert 0 < out["measured_deviation"] <= out["error_bound"]
 
 
@@ -141,7 +177,9 @@ def test_sweep_reports_bytes_bound_and_measured_deviation(bf16_family, tmp_path,
 
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
     out = tmp_path / "sweep"
-    r = runner.invoke(app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%,40%", "--json", "--catalog", session_catalog])
+    r = runner.invoke(
+        app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%,40%", "--json", "--catalog", session_catalog]
+    )
     assert r.exit_code == 0, r.output
     result = json.loads(r.stdout)
     rows = result["rows"]
@@ -159,10 +197,15 @@ def test_sweep_reports_bytes_bound_and_measured_deviation(bf16_family, tmp_path,
     # The report: the same rows as JSON, a Markdown table with one line per budget, a PNG.
     assert json.loads((out / "sweep.json").read_text()) == rows
     table = (out / "sweep.md").read_text().splitlines()
-    assert sum(line.startswith("| 10% |") or line.startswith("| 40% |") or line.startswith("| 100% |") for line in table) == 3
+    assert (
+        sum(line.startswith("| 10% |") or line.startswith("| 40% |") or line.startswith("| 100% |") for line in table)
+        == 3
+    )
     assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
-    bad = runner.invoke(app, ["sweep", str(cfg), "--out", str(tmp_path / "x"), "--budgets", "10%,lots", "--catalog", session_catalog])
+    bad = runner.invoke(
+        app, ["sweep", str(cfg), "--out", str(tmp_path / "x"), "--budgets", "10%,lots", "--catalog", session_catalog]
+    )
     assert bad.exit_code == 2 and "--budgets" in bad.output
     taken = runner.invoke(app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%", "--catalog", session_catalog])
     assert taken.exit_code == 2 and "budget-10pct" in taken.output and "already exists" in taken.output

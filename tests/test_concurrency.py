@@ -14,8 +14,8 @@ from pathlib import Path
 
 import duckdb
 
-from mergepipe.flows.merge import merge
 from mergepipe.devtools.synthetic import make_family, write_config
+from mergepipe.flows.merge import merge
 
 from .helpers import catalog_problems
 
@@ -28,7 +28,10 @@ def _cli(args: list[str], api_url: str, log: Path, **env) -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "mergepipe.cli", *args],
             env=dict(os.environ, PREFECT_API_URL=api_url, **env),
-            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
         )
 
 
@@ -48,18 +51,30 @@ def _hold_lock_until_all_wait(catalog: Path, logs: list[Path], limit: float = 30
 
 
 def test_four_merges_and_an_index_on_one_catalog(prefect_api_url, tmp_path):
-    fam = make_family(tmp_path / "fam", experts=("dense", "lora"), n_layers=2, hidden=32, intermediate=64, vocab=64, seed=21)
-    other = make_family(tmp_path / "other", experts=("dense", "dense"), n_layers=2, hidden=32, intermediate=64, vocab=64, seed=22)
+    fam = make_family(
+        tmp_path / "fam", experts=("dense", "lora"), n_layers=2, hidden=32, intermediate=64, vocab=64, seed=21
+    )
+    other = make_family(
+        tmp_path / "other", experts=("dense", "dense"), n_layers=2, hidden=32, intermediate=64, vocab=64, seed=22
+    )
     catalog = tmp_path / "catalog.duckdb"
     configs = [
-        write_config(tmp_path / f"merge-{i}.yaml", fam, "task_arithmetic", weights=[0.5, 0.8], budget=b, block_size="1KiB")
+        write_config(
+            tmp_path / f"merge-{i}.yaml", fam, "task_arithmetic", weights=[0.5, 0.8], budget=b, block_size="1KiB"
+        )
         for i, b in enumerate(BUDGETS)
     ]
     index_cfg = write_config(tmp_path / "index.yaml", other, "task_arithmetic", weights=[0.5, 0.5], block_size="1KiB")
 
     logs = [tmp_path / f"stderr-{i}.txt" for i in range(5)]
-    procs = [_cli(["merge", str(c), "--out", str(tmp_path / f"out-{i}"), "--catalog", str(catalog), "--json"],
-                  prefect_api_url, logs[i]) for i, c in enumerate(configs)]
+    procs = [
+        _cli(
+            ["merge", str(c), "--out", str(tmp_path / f"out-{i}"), "--catalog", str(catalog), "--json"],
+            prefect_api_url,
+            logs[i],
+        )
+        for i, c in enumerate(configs)
+    ]
     procs.append(_cli(["index", str(index_cfg), "--catalog", str(catalog), "--json"], prefect_api_url, logs[4]))
     _hold_lock_until_all_wait(catalog, logs)
     outcomes = [p.communicate(timeout=600)[0] for p in procs]
@@ -87,8 +102,9 @@ def test_a_lock_held_too_long_fails_with_a_clear_message(prefect_api_url, tmp_pa
     holder = duckdb.connect(str(catalog))
     log = tmp_path / "stderr.txt"
     try:
-        proc = _cli(["index", str(cfg), "--catalog", str(catalog)], prefect_api_url, log,
-                    MERGEPIPE_CATALOG_LOCK_TIMEOUT="3")
+        proc = _cli(
+            ["index", str(cfg), "--catalog", str(catalog)], prefect_api_url, log, MERGEPIPE_CATALOG_LOCK_TIMEOUT="3"
+        )
         proc.communicate(timeout=300)
     finally:
         holder.close()

@@ -14,10 +14,10 @@ from pathlib import Path
 import duckdb
 import pytest
 
+from mergepipe.devtools.synthetic import make_family, write_config
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.publish.manifest import verify_output
-from mergepipe.devtools.synthetic import make_family, write_config
 
 from .helpers import catalog_problems
 
@@ -43,12 +43,21 @@ POINTS = [
 def _family(root: Path):
     # Same seed everywhere: the same content (and merge digest) in every test's own folder,
     # with its own fingerprints, so no statistics are cached from another test.
-    return make_family(root, experts=("dense", "lora"), n_layers=3, hidden=32, intermediate=64, vocab=64, shards=2, seed=11)
+    return make_family(
+        root, experts=("dense", "lora"), n_layers=3, hidden=32, intermediate=64, vocab=64, shards=2, seed=11
+    )
 
 
 def _config(tmp: Path, fam) -> Path:
-    return write_config(tmp / "merge.yaml", fam, "task_arithmetic", weights=[0.6, 0.9], budget="60%",
-                        block_size="1KiB", out_shard_size="16KB")
+    return write_config(
+        tmp / "merge.yaml",
+        fam,
+        "task_arithmetic",
+        weights=[0.6, 0.9],
+        budget="60%",
+        block_size="1KiB",
+        out_shard_size="16KB",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +71,11 @@ def _killed(kill_at: str, cfg: Path, out: Path, catalog: Path, api_url: str) -> 
     env = dict(os.environ, KILL_AT=kill_at, MERGEPIPE_WORKERS="1", PREFECT_API_URL=api_url)
     proc = subprocess.run(
         [sys.executable, str(HERE / "kill_at.py"), "merge", str(cfg), "--out", str(out), "--catalog", str(catalog)],
-        env=env, capture_output=True, text=True, timeout=300, start_new_session=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
     )
     assert proc.returncode == -signal.SIGKILL, f"not killed at {kill_at}:\n{proc.stdout}{proc.stderr}"
 

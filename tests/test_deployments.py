@@ -61,9 +61,23 @@ def _deployment(server, name: str) -> dict:
 
 def _run_merge_deployment(server, env, cfg: Path, out: Path, catalog: Path):
     return server.run(
-        "prefect", "deployment", "run", "merge/merge", "--param", f"config={cfg}", "--param", f"out={out}",
-        "--param", "budget=30%", "--param", f"catalog={catalog}", "--watch", "--watch-timeout", "240",
-        env=env, timeout=300,
+        "prefect",
+        "deployment",
+        "run",
+        "merge/merge",
+        "--param",
+        f"config={cfg}",
+        "--param",
+        f"out={out}",
+        "--param",
+        "budget=30%",
+        "--param",
+        f"catalog={catalog}",
+        "--watch",
+        "--watch-timeout",
+        "240",
+        env=env,
+        timeout=300,
     )
 
 
@@ -75,15 +89,27 @@ def test_deploy_with_a_worker_then_serve(prefect_server, bf16_family, tmp_path):
 
     made = server.run("prefect", "work-pool", "create", WORK_POOL, "--type", "process", env=env)
     assert made.returncode == 0, made.stdout + made.stderr
-    deployed = server.run("prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml",
-                          env=env, cwd=REPO)
+    deployed = server.run(
+        "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", env=env, cwd=REPO
+    )
     assert deployed.returncode == 0, deployed.stdout + deployed.stderr
     nightly = _deployment(server, "merge/merge-nightly")
     assert [s["schedule"]["cron"] for s in nightly["schedules"]] == ["0 2 * * *"]
     assert nightly["parameters"]["out"] == "merges/nightly-{date}"
 
-    worker = server.start("prefect", "worker", "start", "--pool", WORK_POOL, "--type", "process", "--name", "w1",
-                          env=env, log=tmp_path / "worker.log")
+    worker = server.start(
+        "prefect",
+        "worker",
+        "start",
+        "--pool",
+        WORK_POOL,
+        "--type",
+        "process",
+        "--name",
+        "w1",
+        env=env,
+        log=tmp_path / "worker.log",
+    )
     try:
         ran = _run_merge_deployment(server, env, cfg, tmp_path / "by-worker", catalog)
         assert ran.returncode == 0, ran.stdout + ran.stderr + (tmp_path / "worker.log").read_text()[-3000:]

@@ -8,9 +8,9 @@ import pytest
 
 from mergepipe.errors import MergepipeError
 from mergepipe.flows import common
+from mergepipe.flows.merge import merge
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.writer import write_at
-from mergepipe.flows.merge import merge
 from mergepipe.tasks import merge_tasks
 
 from .helpers import config_for
@@ -28,8 +28,9 @@ def _flaky(monkeypatch, failures: int, group: str = "layer.00001"):
         return real(plan, layout, g, staging)
 
     monkeypatch.setattr(merge_tasks, "merge_group", sometimes)
-    monkeypatch.setattr(common, "merge_layer_group",
-                        merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0))
+    monkeypatch.setattr(
+        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
+    )
     return calls
 
 
@@ -42,7 +43,9 @@ def test_a_transient_failure_is_retried_and_changes_nothing(bf16_family, tmp_pat
     assert retried["digest"] == clean["digest"]
 
 
-def test_a_persistent_failure_publishes_nothing_and_leaves_no_staging(bf16_family, tmp_path, session_catalog, monkeypatch):
+def test_a_persistent_failure_publishes_nothing_and_leaves_no_staging(
+    bf16_family, tmp_path, session_catalog, monkeypatch
+):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     _flaky(monkeypatch, failures=10)
     with pytest.raises(MergepipeError, match=r"/dev/full: cannot write .*No space left"):
@@ -78,8 +81,9 @@ def _failing_reads(monkeypatch, victim: Path, failures: int):
         return real(fd, buffers, offset)
 
     monkeypatch.setattr(os, "preadv", preadv)
-    monkeypatch.setattr(common, "merge_layer_group",
-                        merge_tasks.merge_layer_group.with_options(retries=2, retry_delay_seconds=0))
+    monkeypatch.setattr(
+        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=2, retry_delay_seconds=0)
+    )
     return calls
 
 
@@ -96,8 +100,11 @@ def test_a_file_that_stays_unreadable_fails_naming_it(bf16_family, tmp_path, ses
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     merge(config=str(cfg), out=str(tmp_path / "first"), budget="40%", catalog=session_catalog)  # indexed
     calls = _failing_reads(monkeypatch, bf16_family.experts[1], failures=10**9)
-    with pytest.raises(MergepipeError, match=rf"{bf16_family.experts[1]}/model-0000\d-of-00002.safetensors: "
-                                             r"read error at byte \d+ \(Input/output error\)"):
+    with pytest.raises(
+        MergepipeError,
+        match=rf"{bf16_family.experts[1]}/model-0000\d-of-00002.safetensors: "
+        r"read error at byte \d+ \(Input/output error\)",
+    ):
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="40%", catalog=session_catalog)
     assert calls["n"] >= 3  # the first try and both retries
     assert not (tmp_path / "out").exists()
@@ -122,10 +129,14 @@ def test_a_disk_that_fills_during_the_merge_fails_cleanly(bf16_family, tmp_path,
 
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     monkeypatch.setattr(os, "pwrite", pwrite)
-    monkeypatch.setattr(common, "merge_layer_group",
-                        merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0))
-    with pytest.raises(MergepipeError, match=r"mergepipe-staging-[0-9a-f]+/model-0000\d-of-0000\d\.safetensors: cannot write \d+ bytes "
-                                             r"at offset \d+ \(No space left on device\)"):
+    monkeypatch.setattr(
+        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
+    )
+    with pytest.raises(
+        MergepipeError,
+        match=r"mergepipe-staging-[0-9a-f]+/model-0000\d-of-0000\d\.safetensors: cannot write \d+ bytes "
+        r"at offset \d+ \(No space left on device\)",
+    ):
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
     assert written["n"] > 0
     assert not (tmp_path / "out").exists()

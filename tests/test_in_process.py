@@ -45,18 +45,42 @@ def test_in_process_runs_reproduce_prefect_runs(bf16_family, tmp_path, session_c
     with_prefect = merge(config=str(cfg), out=str(tmp_path / "prefect"), catalog=session_catalog)
     env = _no_api_env(tmp_path)
 
-    local = _json(_mergepipe(env, "merge", str(cfg), "--out", str(tmp_path / "local"), "--catalog", session_catalog, "--json"))
+    local = _json(
+        _mergepipe(env, "merge", str(cfg), "--out", str(tmp_path / "local"), "--catalog", session_catalog, "--json")
+    )
     assert local["digest"] == with_prefect["digest"]
     assert local["flow_run_id"] is None and with_prefect["flow_run_id"]
     assert local["expert_bytes_read"] == local["expert_bytes_planned"] == with_prefect["expert_bytes_read"]
     assert verify_output(tmp_path / "local").ok
 
-    replayed = _json(_mergepipe(env, "replay", str(tmp_path / "prefect"), "--out", str(tmp_path / "replayed"),
-                                "--catalog", session_catalog, "--json"))
+    replayed = _json(
+        _mergepipe(
+            env,
+            "replay",
+            str(tmp_path / "prefect"),
+            "--out",
+            str(tmp_path / "replayed"),
+            "--catalog",
+            session_catalog,
+            "--json",
+        )
+    )
     assert replayed["digest"] == with_prefect["digest"]
 
-    sweep = _json(_mergepipe(env, "sweep", str(cfg), "--out", str(tmp_path / "sweep"), "--budgets", "60%",
-                             "--catalog", session_catalog, "--json"))
+    sweep = _json(
+        _mergepipe(
+            env,
+            "sweep",
+            str(cfg),
+            "--out",
+            str(tmp_path / "sweep"),
+            "--budgets",
+            "60%",
+            "--catalog",
+            session_catalog,
+            "--json",
+        )
+    )
     assert [r["budget"] for r in sweep["rows"]] == ["60%", "100%"]
     assert sweep["rows"][0]["digest"] == with_prefect["digest"]
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
@@ -65,10 +89,20 @@ def test_in_process_runs_reproduce_prefect_runs(bf16_family, tmp_path, session_c
 def test_killed_in_process_merge_resumes(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="60%")
     env = _no_api_env(tmp_path, MERGEPIPE_WORKERS="1")
-    fresh = _json(_mergepipe(env, "merge", str(cfg), "--out", str(tmp_path / "fresh"), "--catalog", session_catalog, "--json"))
+    fresh = _json(
+        _mergepipe(env, "merge", str(cfg), "--out", str(tmp_path / "fresh"), "--catalog", session_catalog, "--json")
+    )
     out = tmp_path / "out"
-    killed = _mergepipe(dict(env, KILL_AT="mergepipe.tasks.merge:merge_group:3"), "merge", str(cfg), "--out", str(out),
-                        "--catalog", session_catalog, script=[str(HERE / "kill_at.py")])
+    killed = _mergepipe(
+        dict(env, KILL_AT="mergepipe.tasks.merge:merge_group:3"),
+        "merge",
+        str(cfg),
+        "--out",
+        str(out),
+        "--catalog",
+        session_catalog,
+        script=[str(HERE / "kill_at.py")],
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert not out.exists()
     done = sorted(p.name for p in (staging_dir(str(out), fresh["plan_digest"]) / GROUPS_DIR).iterdir())
@@ -83,7 +117,9 @@ def test_killed_in_process_merge_resumes(bf16_family, tmp_path, session_catalog)
 
 def test_unknown_orchestration_mode_is_bad_input(bf16_family, tmp_path):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
-    proc = _mergepipe(_no_api_env(tmp_path, MERGEPIPE_ORCHESTRATION="serverless"), "merge", str(cfg), "--out", str(tmp_path / "o"))
+    proc = _mergepipe(
+        _no_api_env(tmp_path, MERGEPIPE_ORCHESTRATION="serverless"), "merge", str(cfg), "--out", str(tmp_path / "o")
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "MERGEPIPE_ORCHESTRATION" in proc.stderr and "serverless" in proc.stderr
     assert not (tmp_path / "o").exists()

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
+from mergepipe.devtools.synthetic import FamilyPaths, write_config
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
-from mergepipe.devtools.synthetic import FamilyPaths, write_config
 
 from .helpers import replace_model, tiny_family
 from .reference import load_model
@@ -36,7 +36,9 @@ def test_reindex_reads_no_tensor_bytes_and_new_expert_indexes_only_itself(bf16_f
 
 def data_bytes(folder) -> int:
     """Tensor data bytes of a model: file sizes less the length prefix and header."""
-    return sum(p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little") for p in folder.glob("*.safetensors"))
+    return sum(
+        p.stat().st_size - 8 - int.from_bytes(p.read_bytes()[:8], "little") for p in folder.glob("*.safetensors")
+    )
 
 
 def test_catalog_views_answer_everyday_questions(bf16_family, tmp_path):
@@ -47,7 +49,8 @@ def test_catalog_views_answer_everyday_questions(bf16_family, tmp_path):
     changed = {r[0] for r in con.execute("SELECT tensor FROM changed_tensors WHERE expert = ?", [lora]).fetchall()}
     assert changed and all(".q_proj." in t or ".v_proj." in t for t in changed)
     layers = con.execute(
-        "SELECT layer, delta_energy FROM delta_energy_by_layer WHERE expert = ? ORDER BY layer", [str(bf16_family.experts[0])]
+        "SELECT layer, delta_energy FROM delta_energy_by_layer WHERE expert = ? ORDER BY layer",
+        [str(bf16_family.experts[0])],
     ).fetchall()
     assert [layer for layer, _ in layers][:2] == ["embeddings", "layer.00000"]
     energies = dict(layers)
@@ -75,11 +78,15 @@ def test_family_mismatch_is_refused_before_reading_data(tmp_path):
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"][:32].clone()
     replace_model(fam.experts[0], tensors)
     with pytest.raises(BadInput, match="model.layers.0.mlp.up_proj.weight"):
-        index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))
+        index_family(
+            config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb")
+        )
     del tensors["model.layers.0.mlp.up_proj.weight"]
     replace_model(fam.experts[0], tensors)
     with pytest.raises(BadInput, match="up_proj.weight.*missing"):
-        index_family(config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb"))
+        index_family(
+            config=str(write_config(tmp_path / "c.yaml", fam, weights=[1.0])), catalog=str(tmp_path / "c.duckdb")
+        )
 
 
 def test_schema_1_catalog_is_upgraded_in_place(tmp_path):
@@ -133,7 +140,9 @@ def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path):
     assert con.execute("SELECT count(*) FROM block_stats").fetchall()[0][0] > 0
     con.close()
     # Changed files have other fingerprints: a real pass again.
-    replace_model(fam.experts[0], {k: v + 1 if v.is_floating_point() else v for k, v in load_model(fam.experts[0]).items()})
+    replace_model(
+        fam.experts[0], {k: v + 1 if v.is_floating_point() else v for k, v in load_model(fam.experts[0]).items()}
+    )
     third = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
     assert third["bytes"]["expert"] > 0
 
@@ -213,7 +222,9 @@ def test_base_energies_missing_from_an_older_catalog_cost_one_base_read(tmp_path
     fam = tiny_family(tmp_path / "fam")
     catalog = str(tmp_path / "cat.duckdb")
     plain = write_config(tmp_path / "plain.yaml", fam, "task_arithmetic", block_size="4KiB")
-    ranked = write_config(tmp_path / "ranked.yaml", fam, "task_arithmetic", block_size="4KiB", rank_by="delta_over_sqrt_base")
+    ranked = write_config(
+        tmp_path / "ranked.yaml", fam, "task_arithmetic", block_size="4KiB", rank_by="delta_over_sqrt_base"
+    )
     index_family(config=str(plain), catalog=catalog)
     con = duckdb.connect(catalog)
     energies = con.execute("SELECT tensor, block, base_sq FROM blocks ORDER BY ALL").fetchall()

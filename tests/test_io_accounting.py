@@ -43,7 +43,9 @@ def expert_files(family) -> list[Path]:
 
 
 @pytest.mark.parametrize("budget", ["10%", "25%", "100%", "40KiB"])
-def test_realized_bytes_equal_planned_by_ledger_and_syscalls(budget, bf16_family, tmp_path, session_catalog, monkeypatch):
+def test_realized_bytes_equal_planned_by_ledger_and_syscalls(
+    budget, bf16_family, tmp_path, session_catalog, monkeypatch
+):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     index_family(config=str(cfg), catalog=session_catalog)  # statistics first: the merge then reads only its plan
     counter = SyscallCounter(monkeypatch)
@@ -53,9 +55,7 @@ def test_realized_bytes_equal_planned_by_ledger_and_syscalls(budget, bf16_family
     header_bytes = r["index_bytes"]["header"]
     syscall_expert = sum(n for p, n in counter.bytes.items() if Path(p) in set(expert_files(bf16_family)))
     # Independent count: read syscalls on expert files = planned data bytes + the header reads.
-    expert_headers = sum(
-        8 + int.from_bytes(p.read_bytes()[:8], "little") for p in expert_files(bf16_family)
-    )
+    expert_headers = sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in expert_files(bf16_family))
     assert syscall_expert == r["expert_bytes_planned"] + expert_headers
     assert header_bytes >= expert_headers
     if budget != "100%":
@@ -72,8 +72,12 @@ def _evict(path: Path) -> None:
 
 
 def _resident_bytes(path: Path) -> int:
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
-                         check=True, capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     return int(out[0])
 
 

@@ -23,14 +23,21 @@ ALWAYS = {"errors", "__init__"}
 
 
 def _modules() -> dict[str, Path]:
-    return {".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): p for p in ROOT.rglob("*.py")}
+    return {
+        ".".join(p.relative_to(ROOT.parent).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in ROOT.rglob("*.py")
+    }
 
 
 def _imports(path: Path) -> set[str]:
     """Modules of ours imported at any level, except under `if TYPE_CHECKING:`."""
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
-            for n in ast.walk(node)}
+    skip = {
+        id(n)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and ast.unparse(node.test).endswith("TYPE_CHECKING")
+        for n in ast.walk(node)
+    }
     found = set()
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -86,7 +93,7 @@ def test_no_import_cycle():
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                return path[path.index(n):] + [n]
+                return path[path.index(n) :] + [n]
             if n not in state and (cycle := visit(n)):
                 return cycle
         path.pop()

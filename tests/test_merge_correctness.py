@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from mergepipe.flows.merge import merge
 from mergepipe.devtools.synthetic import FamilyPaths, write_model
+from mergepipe.flows.merge import merge
 
 from .helpers import assert_bit_identical, config_for, frobenius_diff
 from .reference import load_model, reference_merge
@@ -24,12 +24,26 @@ def _density(method):
 @pytest.mark.parametrize("method", METHODS)
 def test_full_budget_is_bit_identical_to_full_read_reference_bf16(method, bf16_family, tmp_path, session_catalog):
     weights = [0.5, 0.3, 0.8]
-    cfg = config_for(tmp_path, bf16_family, method, weights=weights, density=_density(method),
-                     parameters={"lambda": 0.9} if method != "linear" else {}, seed=7)
+    cfg = config_for(
+        tmp_path,
+        bf16_family,
+        method,
+        weights=weights,
+        density=_density(method),
+        parameters={"lambda": 0.9} if method != "linear" else {},
+        seed=7,
+    )
     result = merge(config=str(cfg), out=str(tmp_path / "out"), budget="100%", catalog=session_catalog)
-    expected = reference_merge(method, bf16_family.base, bf16_family.experts, weights,
-                               densities=[_density(method) or 1.0] * 3, lam=0.9 if method != "linear" else 1.0,
-                               seed=7, block_size=4096)
+    expected = reference_merge(
+        method,
+        bf16_family.base,
+        bf16_family.experts,
+        weights,
+        densities=[_density(method) or 1.0] * 3,
+        lam=0.9 if method != "linear" else 1.0,
+        seed=7,
+        block_size=4096,
+    )
     assert_bit_identical(tmp_path / "out", expected)
     assert result["expert_bytes_read"] == result["expert_bytes_planned"] <= result["budget_bytes"]
 
@@ -39,20 +53,32 @@ def test_full_budget_bit_identical_fp32_three_shards(method, fp32_family, tmp_pa
     weights = [1.0, 0.7, 0.4]
     cfg = config_for(tmp_path, fp32_family, method, weights=weights, density=_density(method), seed=3)
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
-    expected = reference_merge(method, fp32_family.base, fp32_family.experts, weights,
-                               densities=[_density(method) or 1.0] * 3, seed=3, block_size=4096)
+    expected = reference_merge(
+        method,
+        fp32_family.base,
+        fp32_family.experts,
+        weights,
+        densities=[_density(method) or 1.0] * 3,
+        seed=3,
+        block_size=4096,
+    )
     assert_bit_identical(tmp_path / "out", expected)
 
 
 @pytest.mark.parametrize("method", ["ties", "dare_ties"])
-@pytest.mark.parametrize("family,dtypes", [
-    ("bf16_family", {}),  # into the stored base's own buffer
-    ("bf16_family", {"out_dtype": "float32"}),  # into a fresh fp32 output
-    ("fp32_family", {}),  # fp32 stored: the widening is the stored base itself
-    ("fp32_family", {"dtype": "bfloat16"}),  # each slab rounded to bf16, then widened
-    ("fp32_family", {"dtype": "float16", "out_dtype": "bfloat16"}),
-])
-def test_elections_from_the_stored_base_widened_slab_by_slab(method, family, dtypes, request, tmp_path, session_catalog, monkeypatch):
+@pytest.mark.parametrize(
+    "family,dtypes",
+    [
+        ("bf16_family", {}),  # into the stored base's own buffer
+        ("bf16_family", {"out_dtype": "float32"}),  # into a fresh fp32 output
+        ("fp32_family", {}),  # fp32 stored: the widening is the stored base itself
+        ("fp32_family", {"dtype": "bfloat16"}),  # each slab rounded to bf16, then widened
+        ("fp32_family", {"dtype": "float16", "out_dtype": "bfloat16"}),
+    ],
+)
+def test_elections_from_the_stored_base_widened_slab_by_slab(
+    method, family, dtypes, request, tmp_path, session_catalog, monkeypatch
+):
     """Every base tensor left as stored and widened a slab at a time (as an embedding is), the
     result rounded into the stored base's buffer or a fresh output: the reference, bit for bit."""
     from mergepipe.execute import group as execution
@@ -63,16 +89,29 @@ def test_elections_from_the_stored_base_widened_slab_by_slab(method, family, dty
     cfg = config_for(tmp_path, fam, method, weights=weights, density=0.5, seed=5, **dtypes)
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
     compute = {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(dtypes.get("dtype"))
-    out_dtype = torch.float32 if dtypes.get("out_dtype") == "float32" else torch.bfloat16 if dtypes.get("out_dtype") else None
-    expected = reference_merge(method, fam.base, fam.experts, weights, densities=[0.5] * 3, seed=5, block_size=4096,
-                               out_dtype=out_dtype, compute_dtype=compute)
+    out_dtype = (
+        torch.float32 if dtypes.get("out_dtype") == "float32" else torch.bfloat16 if dtypes.get("out_dtype") else None
+    )
+    expected = reference_merge(
+        method,
+        fam.base,
+        fam.experts,
+        weights,
+        densities=[0.5] * 3,
+        seed=5,
+        block_size=4096,
+        out_dtype=out_dtype,
+        compute_dtype=compute,
+    )
     assert_bit_identical(tmp_path / "out", expected)
 
 
 def test_out_dtype_is_applied(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", out_dtype="float32")
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
-    expected = reference_merge("task_arithmetic", bf16_family.base, bf16_family.experts, [0.5, 0.3, 0.8], out_dtype=None)
+    expected = reference_merge(
+        "task_arithmetic", bf16_family.base, bf16_family.experts, [0.5, 0.3, 0.8], out_dtype=None
+    )
     got = load_model(tmp_path / "out")
     for name, t in got.items():
         if expected[name].is_floating_point():
@@ -110,14 +149,21 @@ def test_ranking_against_the_base_chooses_other_blocks_within_the_bound(bf16_fam
     every block, so the output's bytes are the default ranking's."""
     kw = dict(out_dtype="float32")
     plain = config_for(tmp_path, bf16_family, "task_arithmetic", **kw)
-    ranked = config_for(tmp_path, bf16_family, "task_arithmetic", name="ranked.yaml", rank_by="delta_over_sqrt_base", **kw)
+    ranked = config_for(
+        tmp_path, bf16_family, "task_arithmetic", name="ranked.yaml", rank_by="delta_over_sqrt_base", **kw
+    )
     runs = {}
     for label, cfg in (("plain", plain), ("ranked", ranked)):
         for pct in (25, 100):
             out = tmp_path / f"{label}-{pct}"
             runs[label, pct] = (merge(config=str(cfg), out=str(out), budget=f"{pct}%", catalog=session_catalog), out)
-    access = {k: {tuple(r.values()) for r in pq.read_table(out / "mergepipe-access.parquet", columns=["expert", "tensor", "block"]).to_pylist()}
-              for k, (_, out) in runs.items()}
+    access = {
+        k: {
+            tuple(r.values())
+            for r in pq.read_table(out / "mergepipe-access.parquet", columns=["expert", "tensor", "block"]).to_pylist()
+        }
+        for k, (_, out) in runs.items()
+    }
     assert access["ranked", 100] == access["plain", 100]
     assert access["ranked", 25] != access["plain", 25]
     r, out = runs["ranked", 25]
@@ -125,7 +171,10 @@ def test_ranking_against_the_base_chooses_other_blocks_within_the_bound(bf16_fam
     err = frobenius_diff(load_model(out), load_model(runs["ranked", 100][1]))
     assert 0 < err <= r["error_bound"] * (1 + 1e-5) + 1e-6
     assert runs["ranked", 25][0]["digest"] != runs["plain", 25][0]["digest"]
-    shards = [json.loads((runs[k][1] / "mergepipe-manifest.json").read_text())["content"]["output"]["shards"] for k in (("plain", 100), ("ranked", 100))]
+    shards = [
+        json.loads((runs[k][1] / "mergepipe-manifest.json").read_text())["content"]["output"]["shards"]
+        for k in (("plain", 100), ("ranked", 100))
+    ]
     assert shards[0] == shards[1]
 
 
@@ -158,8 +207,10 @@ def test_expert_stored_in_another_dtype_is_costed_and_merged_in_its_own(bf16_fam
     element and is read as fp32."""
     tensors = load_model(bf16_family.experts[0])
     g = torch.Generator().manual_seed(5)
-    wide = {k: (v.float() + 1e-5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() and v.dim() == 2 else v
-            for k, v in tensors.items()}
+    wide = {
+        k: (v.float() + 1e-5 * torch.randn(v.shape, generator=g)) if v.is_floating_point() and v.dim() == 2 else v
+        for k, v in tensors.items()
+    }
     write_model(tmp_path / "wide", wide, shards=1, sidecars=False)
     fam = FamilyPaths(bf16_family.base, [tmp_path / "wide", bf16_family.experts[2]])
     cfg = config_for(tmp_path, fam, "task_arithmetic", weights=[0.6, 0.4])
@@ -175,8 +226,9 @@ def test_expert_stored_in_another_dtype_is_costed_and_merged_in_its_own(bf16_fam
 def test_config_dtype_rounds_inputs_and_sets_the_output_dtype(fp32_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, fp32_family, "task_arithmetic", weights=[1.0, 0.5, 0.5], dtype="bfloat16")
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
-    expected = reference_merge("task_arithmetic", fp32_family.base, fp32_family.experts, [1.0, 0.5, 0.5],
-                               compute_dtype=torch.bfloat16)
+    expected = reference_merge(
+        "task_arithmetic", fp32_family.base, fp32_family.experts, [1.0, 0.5, 0.5], compute_dtype=torch.bfloat16
+    )
     assert_bit_identical(tmp_path / "out", expected)
 
 
@@ -202,4 +254,6 @@ def test_models_given_as_single_files(bf16_family, tmp_path, session_catalog):
     fam = FamilyPaths(bf16_family.base, single)
     cfg = config_for(tmp_path, fam, "task_arithmetic", weights=[0.7, 0.2])
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
-    assert_bit_identical(tmp_path / "out", reference_merge("task_arithmetic", fam.base, [p.parent for p in single], [0.7, 0.2]))
+    assert_bit_identical(
+        tmp_path / "out", reference_merge("task_arithmetic", fam.base, [p.parent for p in single], [0.7, 0.2])
+    )

@@ -11,10 +11,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from mergepipe.errors import BadInput
-from mergepipe.index.blocks import layer_count, layer_position
 from mergepipe.config.settings import evaluate, parse_setting
 from mergepipe.config.spec import load_spec
+from mergepipe.errors import BadInput
+from mergepipe.index.blocks import layer_count, layer_position
 from mergepipe.plan.params import resolve_params, resolve_tensor_params
 
 
@@ -79,14 +79,18 @@ def _spec(tmp_path, doc: dict):
 
 
 def test_precedence_model_then_global_then_default(tmp_path):
-    spec = _spec(tmp_path, {
-        "merge_method": "ties", "base_model": "b",
-        "models": [
-            {"model": "e0", "parameters": {"weight": [{"filter": "mlp", "value": 0.5}], "density": [1, 0.5]}},
-            {"model": "e1", "parameters": {"weight": 1.0}},
-        ],
-        "parameters": {"weight": 0.25, "normalize": [{"filter": "norm", "value": False}], "lambda": [1, 2]},
-    })
+    spec = _spec(
+        tmp_path,
+        {
+            "merge_method": "ties",
+            "base_model": "b",
+            "models": [
+                {"model": "e0", "parameters": {"weight": [{"filter": "mlp", "value": 0.5}], "density": [1, 0.5]}},
+                {"model": "e1", "parameters": {"weight": 1.0}},
+            ],
+            "parameters": {"weight": 0.25, "normalize": [{"filter": "norm", "value": False}], "lambda": [1, 2]},
+        },
+    )
     mlp = resolve_params(spec, "model.layers.1.mlp.up_proj.weight", 1.0)
     attn = resolve_params(spec, "model.layers.1.self_attn.q_proj.weight", 0.5)
     norm = resolve_params(spec, "model.norm.weight", 0.0)
@@ -97,10 +101,14 @@ def test_precedence_model_then_global_then_default(tmp_path):
 
 
 def test_param_table_lists_only_exceptions(tmp_path):
-    spec = _spec(tmp_path, {
-        "merge_method": "task_arithmetic", "base_model": "b",
-        "models": [{"model": "e0", "parameters": {"weight": [{"filter": "layers.1.", "value": 2}, {"value": 1}]}}],
-    })
+    spec = _spec(
+        tmp_path,
+        {
+            "merge_method": "task_arithmetic",
+            "base_model": "b",
+            "models": [{"model": "e0", "parameters": {"weight": [{"filter": "layers.1.", "value": 2}, {"value": 1}]}}],
+        },
+    )
     names = ["model.embed_tokens.weight"] + [f"model.layers.{i}.mlp.w" for i in range(3)]
     table = resolve_tensor_params(spec, names)
     assert [p["weight"] for p in table.sets] == [(1.0,), (2.0,)]
@@ -110,8 +118,11 @@ def test_param_table_lists_only_exceptions(tmp_path):
 
 
 def test_base_among_models(tmp_path):
-    base_and_two = [{"model": "b", "parameters": {"weight": 0.2}}, {"model": "e0", "parameters": {"weight": 0.5}},
-                    {"model": "e1", "parameters": {"weight": 0.3}}]
+    base_and_two = [
+        {"model": "b", "parameters": {"weight": 0.2}},
+        {"model": "e0", "parameters": {"weight": 0.5}},
+        {"model": "e1", "parameters": {"weight": 0.3}},
+    ]
     # GTA: the base's entry is not an expert and its parameters do not count.
     spec = _spec(tmp_path, {"merge_method": "task_arithmetic", "base_model": "b", "models": base_and_two})
     assert spec.expert_uris == [str(tmp_path / "e0"), str(tmp_path / "e1")]
@@ -123,11 +134,19 @@ def test_base_among_models(tmp_path):
     # linear, base not listed: weighted by a global weight if there is one (mergekit adds it as
     # an input), otherwise not an input.
     two = base_and_two[1:]
-    assert resolve_params(_spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two})).base_value("weight") is None
+    assert (
+        resolve_params(_spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two})).base_value(
+            "weight"
+        )
+        is None
+    )
     spec = _spec(tmp_path, {"merge_method": "linear", "base_model": "b", "models": two, "parameters": {"weight": 0.1}})
     assert resolve_params(spec).base_value("weight") == 0.1
     # linear without a base: the first model is the reference, with its own weight.
-    spec = _spec(tmp_path, {"merge_method": "linear", "models": base_and_two[1:] + [{"model": "e2", "parameters": {"weight": 1}}]})
+    spec = _spec(
+        tmp_path,
+        {"merge_method": "linear", "models": base_and_two[1:] + [{"model": "e2", "parameters": {"weight": 1}}]},
+    )
     assert spec.base_model == str(tmp_path / "e0") and len(spec.expert_uris) == 2
     p = resolve_params(spec)
     assert p.base_value("weight") == 0.5 and p["weight"] == (0.3, 1.0)
@@ -135,16 +154,23 @@ def test_base_among_models(tmp_path):
         _spec(tmp_path, {"merge_method": "ties", "models": two})
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("slices", [{"sources": []}], "slices: not supported"),
-    ("modules", {"text": {}}, "modules: not supported"),
-    ("tokenizer", {"source": "union"}, "tokenizer: not supported"),
-    ("chat_template", "chatml", "chat_template: not supported"),
-    ("tokenizer_source", "union", "tokenizer_source: only `base`"),
-    ("tokenizer_source", "org/other-model", "tokenizer_source: only `base`"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("slices", [{"sources": []}], "slices: not supported"),
+        ("modules", {"text": {}}, "modules: not supported"),
+        ("tokenizer", {"source": "union"}, "tokenizer: not supported"),
+        ("chat_template", "chatml", "chat_template: not supported"),
+        ("tokenizer_source", "union", "tokenizer_source: only `base`"),
+        ("tokenizer_source", "org/other-model", "tokenizer_source: only `base`"),
+    ],
+)
 def test_unsupported_mergekit_keys_are_refused_by_name(tmp_path, key, value, match):
-    doc = {"merge_method": "task_arithmetic", "base_model": "b", "models": [{"model": "e", "parameters": {"weight": 1}}]}
+    doc = {
+        "merge_method": "task_arithmetic",
+        "base_model": "b",
+        "models": [{"model": "e", "parameters": {"weight": 1}}],
+    }
     _spec(tmp_path, {**doc, "tokenizer_source": "base"})  # accepted
     with pytest.raises(BadInput, match=match):
         _spec(tmp_path, {**doc, key: value})
@@ -183,15 +209,21 @@ def test_filters_and_gradients_end_to_end_with_a_bound_that_holds(bf16_family, t
 
     e0, e1, e2 = map(str, bf16_family.experts)
     doc = {
-        "merge_method": "task_arithmetic", "base_model": str(bf16_family.base),
+        "merge_method": "task_arithmetic",
+        "base_model": str(bf16_family.base),
         "models": [
             {"model": str(bf16_family.base)},  # as mergekit's examples list it: no effect here
             {"model": e0, "parameters": {"weight": [0.2, 1.0]}},
-            {"model": e1, "parameters": {"weight": [{"filter": "mlp", "value": 0}, {"filter": "self_attn", "value": [1, 0.5]}]}},
+            {
+                "model": e1,
+                "parameters": {"weight": [{"filter": "mlp", "value": 0}, {"filter": "self_attn", "value": [1, 0.5]}]},
+            },
             {"model": e2, "parameters": {"weight": 0.8}},
         ],
         "parameters": {"weight": 0.4, "lambda": [1, 0.5]},
-        "out_dtype": "float32", "block_size": "4KiB", "out_shard_size": "64KB",
+        "out_dtype": "float32",
+        "block_size": "4KiB",
+        "out_shard_size": "64KB",
     }
     cfg = tmp_path / "m.yaml"
     cfg.write_text(yaml.safe_dump(doc))
@@ -215,7 +247,9 @@ def test_filters_and_gradients_end_to_end_with_a_bound_that_holds(bf16_family, t
         assert not [a for a in access if a["expert"] == 1 and ".mlp." in a["tensor"]], out
     assert full["expert_bytes_planned"] < full["full_expert_bytes"]
     # The manifest replays the per-tensor parameters bit for bit.
-    again = replay(manifest=str(tmp_path / "part" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=session_catalog)
+    again = replay(
+        manifest=str(tmp_path / "part" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=session_catalog
+    )
     assert again["digest"] == part["digest"]
     assert_bit_identical(tmp_path / "again", load_model(tmp_path / "part"))
 
@@ -273,15 +307,19 @@ def test_docs_match_the_code(tmp_path):
     bound the code reports for it."""
     import re
 
-    from mergepipe.operators import OPERATORS
     from mergepipe.config.spec import check_parameters
+    from mergepipe.operators import OPERATORS
 
     readme = (ROOT / "README.md").read_text()
     example = re.search(r"```yaml\n(merge_method:.*?)```", readme, re.S).group(1)
     (tmp_path / "c.yaml").write_text(example)
     check_parameters(load_spec(tmp_path / "c.yaml"))
 
-    rows = re.findall(r"^\| `(\w+)` \|.*\| (guaranteed|heuristic|none claimed) \|$", (ROOT / "docs" / "operators.md").read_text(), re.M)
+    rows = re.findall(
+        r"^\| `(\w+)` \|.*\| (guaranteed|heuristic|none claimed) \|$",
+        (ROOT / "docs" / "operators.md").read_text(),
+        re.M,
+    )
     assert sorted(name for name, _ in rows) == sorted(OPERATORS)
     for name, bound in rows:
         assert (bound == "guaranteed") == OPERATORS[name].additive, name

@@ -31,15 +31,23 @@ def _params(case: dict, op) -> MergeParams:
     if case["method"] == "linear" and "base" in case["inputs"]:  # the base as a weighted input
         base_weight = weights.pop(case["inputs"].index("base"))
     values = {
-        "weight": tuple(weights), "density": tuple(p.get("density", [1.0] * k)), "lambda_": p.get("lambda", 1.0),
-        "gamma": tuple(p.get("gamma", [])), "epsilon": tuple(p.get("epsilon", [])), **{
-            name: p[name] for name in ("normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise")
+        "weight": tuple(weights),
+        "density": tuple(p.get("density", [1.0] * k)),
+        "lambda_": p.get("lambda", 1.0),
+        "gamma": tuple(p.get("gamma", [])),
+        "epsilon": tuple(p.get("epsilon", [])),
+        **{
+            name: p[name]
+            for name in ("normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise")
             if name in p
         },
     }
     # Each operator takes what it declares; the declared defaults fill the rest.
-    return op.params(k, {"weight": base_weight} if base_weight is not None else None,
-                     **{n: v for n, v in values.items() if op.declared(n.rstrip("_")) is not None})
+    return op.params(
+        k,
+        {"weight": base_weight} if base_weight is not None else None,
+        **{n: v for n, v in values.items() if op.declared(n.rstrip("_")) is not None},
+    )
 
 
 def _replay(case: dict):
@@ -65,8 +73,13 @@ def test_operator_matches_mergekit(case):
     params = _params(case, op)
     if case["method"] == "nuslerp" and case["base_index"] is None:
         # mergepipe always has a base; the kernel is the same one.
-        got = nuslerp(nuslerp_t(params["weight"]), experts[0], experts[1],
-                      flatten=params["nuslerp_flatten"], row_wise=params["nuslerp_row_wise"])
+        got = nuslerp(
+            nuslerp_t(params["weight"]),
+            experts[0],
+            experts[1],
+            flatten=params["nuslerp_flatten"],
+            row_wise=params["nuslerp_row_wise"],
+        )
     else:
         base = TENSORS[f"{name}/base"]
         ctx = TensorContext(name, ((0, base.shape[0] if base.dim() else 1),), seed=0)

@@ -11,10 +11,10 @@ import torch
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
+from mergepipe.devtools.synthetic import make_family, write_config, write_model
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge, plan
-from mergepipe.devtools.synthetic import make_family, write_config, write_model
 
 from .helpers import assert_bit_identical
 from .reference import load_model, reference_merge
@@ -34,16 +34,31 @@ def _poison(folder, name: str, row: int, value: float) -> None:
 @pytest.fixture
 def poisoned(tmp_path):
     """Two experts: a NaN in one row of expert 0's up projection, an Inf in expert 1's embedding."""
-    fam = make_family(tmp_path / "fam", experts=("dense", "dense"), n_layers=2, hidden=32, intermediate=64, vocab=128,
-                      shards=2, seed=7)
+    fam = make_family(
+        tmp_path / "fam",
+        experts=("dense", "dense"),
+        n_layers=2,
+        hidden=32,
+        intermediate=64,
+        vocab=128,
+        shards=2,
+        seed=7,
+    )
     _poison(fam.experts[0], "model.layers.1.mlp.up_proj.weight", 40, float("nan"))
     _poison(fam.experts[1], "model.embed_tokens.weight", 3, float("inf"))
     return fam
 
 
 def _config(tmp_path, fam, **extra):
-    return write_config(tmp_path / "merge.yaml", fam, "task_arithmetic", weights=WEIGHTS, block_size="1KiB",
-                        out_shard_size="64KB", **extra)
+    return write_config(
+        tmp_path / "merge.yaml",
+        fam,
+        "task_arithmetic",
+        weights=WEIGHTS,
+        block_size="1KiB",
+        out_shard_size="64KB",
+        **extra,
+    )
 
 
 def _strict_json(text: str):

@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
+from mergepipe.config.spec import load_spec
+from mergepipe.devtools.synthetic import make_family
 from mergepipe.flows.merge import merge
 from mergepipe.index.blocks import block_rows
 from mergepipe.operators import OPERATORS, TensorContext
-from mergepipe.config.spec import load_spec
 from mergepipe.plan.params import resolve_params
-from mergepipe.devtools.synthetic import make_family
 
 from .helpers import assert_bit_identical
 from .reference import load_model
@@ -32,8 +32,17 @@ CASES = {
 @pytest.fixture(scope="module")
 def fp32_three(tmp_path_factory):
     root = tmp_path_factory.mktemp("ops")
-    return make_family(root / "fam", experts=("dense", "dense", "lora"), n_layers=2, hidden=32, intermediate=64,
-                       vocab=64, dtype="float32", shards=2, seed=5)
+    return make_family(
+        root / "fam",
+        experts=("dense", "dense", "lora"),
+        n_layers=2,
+        hidden=32,
+        intermediate=64,
+        vocab=64,
+        dtype="float32",
+        shards=2,
+        seed=5,
+    )
 
 
 @pytest.mark.parametrize("method", sorted(CASES))
@@ -42,11 +51,22 @@ def test_new_operator_end_to_end(method, fp32_three, tmp_path, session_catalog):
     fam = type(fp32_three)(fp32_three.base, fp32_three.experts[:k])
     weights = [0.6, 0.9, 0.4][:k]
     takes_weight = OPERATORS[method].declared("weight") is not None
-    models = [{"model": str(e), "parameters": {**per_model, **({"weight": w} if takes_weight else {})}}
-              for e, w in zip(fam.experts, weights)]
+    models = [
+        {"model": str(e), "parameters": {**per_model, **({"weight": w} if takes_weight else {})}}
+        for e, w in zip(fam.experts, weights)
+    ]
     cfg = tmp_path / "m.yaml"
-    cfg.write_text(yaml.safe_dump({"merge_method": method, "base_model": str(fam.base), "models": models,
-                                   "parameters": shared, "block_size": "2KiB"}))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "merge_method": method,
+                "base_model": str(fam.base),
+                "models": models,
+                "parameters": shared,
+                "block_size": "2KiB",
+            }
+        )
+    )
     full = merge(config=str(cfg), out=str(tmp_path / "full"), budget="100%", catalog=session_catalog)
     assert full["bound_guaranteed"] is False
 
@@ -64,5 +84,6 @@ def test_new_operator_end_to_end(method, fp32_three, tmp_path, session_catalog):
 
     part = merge(config=str(cfg), out=str(tmp_path / "part"), budget="30%", catalog=session_catalog)
     assert part["expert_bytes_read"] <= 0.3 * part["full_expert_bytes"]
-    assert torch.isfinite(torch.cat([t.reshape(-1) for t in load_model(tmp_path / "part").values()
-                                     if t.is_floating_point()])).all()
+    assert torch.isfinite(
+        torch.cat([t.reshape(-1) for t in load_model(tmp_path / "part").values() if t.is_floating_point()])
+    ).all()

@@ -20,12 +20,18 @@ def _stats(seed: int, n_experts: int = 3, n_blocks: int = 150) -> pa.Table:
         for b in range(n_blocks):
             tensor = f"t{b % 7}"
             nnz = 0 if rng.random() < 0.1 else 5
-            rows.append({
-                "expert_fp": f"fp{e}", "tensor": tensor, "block": b,
-                "bytes": rng.choice([512, 1024, 4096, 4096, 4096, 3000]),
-                "delta_sq": 0.0 if nnz == 0 else rng.random() ** 3, "max_abs_delta": 0.0, "nnz_delta": nnz,
-                "content_hash": "x",
-            })
+            rows.append(
+                {
+                    "expert_fp": f"fp{e}",
+                    "tensor": tensor,
+                    "block": b,
+                    "bytes": rng.choice([512, 1024, 4096, 4096, 4096, 3000]),
+                    "delta_sq": 0.0 if nnz == 0 else rng.random() ** 3,
+                    "max_abs_delta": 0.0,
+                    "nnz_delta": nnz,
+                    "content_hash": "x",
+                }
+            )
     return pa.Table.from_pylist(rows, schema=STATS_SCHEMA)
 
 
@@ -62,14 +68,25 @@ def _setup(tmp_path, stats, coefs, rank_by="delta"):
     from mergepipe.index.tables import model_tables
 
     blocks = pa.Table.from_pylist(
-        [{"tensor": f"t{b % 7}", "block": b, "layer": "layer.00000", "row_start": b, "row_end": b + 1, "base_bytes": 4096,
-          "base_sq": _base_sq(b)} for b in range(stats.num_rows // 3)],
+        [
+            {
+                "tensor": f"t{b % 7}",
+                "block": b,
+                "layer": "layer.00000",
+                "row_start": b,
+                "row_end": b + 1,
+                "base_bytes": 4096,
+                "base_sq": _base_sq(b),
+            }
+            for b in range(stats.num_rows // 3)
+        ],
         schema=BLOCKS_SCHEMA,
     )
     ingest_stats(con, "base", 4096, sorted(set(stats["expert_fp"].to_pylist())), stats, blocks, {}, *model_tables([]))
     per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(len(coefs))] for j in range(7)}
-    n = planner.rank_candidates(con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True,
-                                rank_by=rank_by)
+    n = planner.rank_candidates(
+        con, "base", 4096, [f"fp{i}" for i in range(len(coefs))], per_tensor, skip_zero=True, rank_by=rank_by
+    )
     return con_cm, con, n
 
 
@@ -120,8 +137,9 @@ def test_ranking_on_base_energies_refuses_a_layout_without_them(tmp_path):
         con.execute("UPDATE blocks SET base_sq = NULL WHERE block = 3")
         per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(3)] for j in range(7)}
         with pytest.raises(MergepipeError, match="rank_by: delta_over_sqrt_base.*1 blocks"):
-            planner.rank_candidates(con, "base", 4096, ["fp0", "fp1", "fp2"], per_tensor, skip_zero=True,
-                                    rank_by="delta_over_sqrt_base")
+            planner.rank_candidates(
+                con, "base", 4096, ["fp0", "fp1", "fp2"], per_tensor, skip_zero=True, rank_by="delta_over_sqrt_base"
+            )
         assert planner.rank_candidates(con, "base", 4096, ["fp0", "fp1", "fp2"], per_tensor, skip_zero=True) > 0
     finally:
         cm.__exit__(None, None, None)

@@ -9,11 +9,11 @@ import pytest
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
+from mergepipe.devtools.synthetic import FamilyPaths, dense_expert
 from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
 from mergepipe.publish.manifest import MANIFEST_FILE, load_manifest, verify_output
-from mergepipe.devtools.synthetic import FamilyPaths, dense_expert
 
 from .helpers import config_for, replace_model
 from .reference import load_model
@@ -24,7 +24,9 @@ def _shards(folder):
 
 
 @pytest.mark.parametrize("method,budget", [("task_arithmetic", "25%"), ("dare_ties", "40%")])
-def test_same_merge_twice_same_digest_and_bytes_and_replay_reproduces(method, budget, bf16_family, tmp_path, session_catalog):
+def test_same_merge_twice_same_digest_and_bytes_and_replay_reproduces(
+    method, budget, bf16_family, tmp_path, session_catalog
+):
     cfg = config_for(tmp_path, bf16_family, method, density=0.6 if method == "dare_ties" else None, seed=11)
     a = merge(config=str(cfg), out=str(tmp_path / "a"), budget=budget, catalog=session_catalog)
     b = merge(config=str(cfg), out=str(tmp_path / "b"), budget=budget, catalog=session_catalog)
@@ -47,12 +49,24 @@ def test_digest_ignores_location_and_depends_on_budget(bf16_family, tmp_path, se
     moved = tmp_path / "moved"
     shutil.copytree(bf16_family.base.parent, moved)
     fam2 = FamilyPaths(moved / "base", [moved / e.name for e in bf16_family.experts])
-    a = merge(config=str(config_for(tmp_path, bf16_family, "task_arithmetic", name="a.yaml")), out=str(tmp_path / "a"),
-              budget="30%", catalog=session_catalog)
-    b = merge(config=str(config_for(tmp_path, fam2, "task_arithmetic", name="b.yaml")), out=str(tmp_path / "b"),
-              budget="30%", catalog=session_catalog)
-    c = merge(config=str(config_for(tmp_path, fam2, "task_arithmetic", name="b.yaml")), out=str(tmp_path / "c"),
-              budget="31%", catalog=session_catalog)
+    a = merge(
+        config=str(config_for(tmp_path, bf16_family, "task_arithmetic", name="a.yaml")),
+        out=str(tmp_path / "a"),
+        budget="30%",
+        catalog=session_catalog,
+    )
+    b = merge(
+        config=str(config_for(tmp_path, fam2, "task_arithmetic", name="b.yaml")),
+        out=str(tmp_path / "b"),
+        budget="30%",
+        catalog=session_catalog,
+    )
+    c = merge(
+        config=str(config_for(tmp_path, fam2, "task_arithmetic", name="b.yaml")),
+        out=str(tmp_path / "c"),
+        budget="31%",
+        catalog=session_catalog,
+    )
     assert a["digest"] == b["digest"] != c["digest"]
 
 
@@ -84,8 +98,9 @@ def test_hand_edited_manifest_is_refused(bf16_family, tmp_path, session_catalog)
         verify_output(tmp_path / "out")
     verified = CliRunner().invoke(app, ["verify", str(tmp_path / "out")])
     assert verified.exit_code == 2 and "edited by hand" in verified.output
-    result = CliRunner().invoke(app, ["replay", str(path), "--out", str(tmp_path / "again"),
-                                      "--catalog", session_catalog])
+    result = CliRunner().invoke(
+        app, ["replay", str(path), "--out", str(tmp_path / "again"), "--catalog", session_catalog]
+    )
     assert result.exit_code == 2
     assert not (tmp_path / "again").exists()
 
@@ -99,8 +114,17 @@ def test_replay_refuses_a_changed_input(bf16_family, tmp_path, session_catalog):
     # Rewrite expert 1 with different content (same names and shapes).
     changed = dense_expert(load_model(fam.base), seed=999)
     replace_model(fam.experts[1], changed, shards=2)
-    result = CliRunner().invoke(app, ["replay", str(tmp_path / "out" / MANIFEST_FILE), "--out", str(tmp_path / "again"),
-                                      "--catalog", session_catalog])
+    result = CliRunner().invoke(
+        app,
+        [
+            "replay",
+            str(tmp_path / "out" / MANIFEST_FILE),
+            "--out",
+            str(tmp_path / "again"),
+            "--catalog",
+            session_catalog,
+        ],
+    )
     assert result.exit_code == 2, result.output
     assert "expert-1" in result.output and "changed" in result.output
     assert not (tmp_path / "again").exists()

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from mergepipe.execute.group import group_regions
-from mergepipe.plan import saved
 from mergepipe.flows.merge import merge
+from mergepipe.plan import saved
 from mergepipe.publish.manifest import verify_output
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
@@ -21,12 +21,20 @@ HERE = Path(__file__).resolve().parent
 
 
 def _killed_merge(cfg: Path, out: Path, catalog: str, kill_at: int, tmp: Path) -> None:
-    env = dict(os.environ, KILL_AT=f"mergepipe.tasks.merge:merge_group:{kill_at}", MERGEPIPE_WORKERS="1",
-               PREFECT_HOME=str(tmp / "prefect-home"))
+    env = dict(
+        os.environ,
+        KILL_AT=f"mergepipe.tasks.merge:merge_group:{kill_at}",
+        MERGEPIPE_WORKERS="1",
+        PREFECT_HOME=str(tmp / "prefect-home"),
+    )
     env.pop("PREFECT_API_URL", None)
     proc = subprocess.run(
         [sys.executable, str(HERE / "kill_at.py"), "merge", str(cfg), "--out", str(out), "--catalog", catalog],
-        env=env, capture_output=True, text=True, timeout=300, start_new_session=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
     )
     assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
 
@@ -43,7 +51,9 @@ def test_killed_merge_resumes_with_the_same_digest_and_fewer_reads(bf16_family, 
     assert len(done) == 3
 
     # One finished group's staged bytes change after the crash: its cache entry must not be trusted.
-    _, layout = saved.load(str(next((Path(os.environ["MERGEPIPE_HOME"]) / "plans").glob(f"{fresh['plan_digest'][:24]}-*"))))
+    _, layout = saved.load(
+        str(next((Path(os.environ["MERGEPIPE_HOME"]) / "plans").glob(f"{fresh['plan_digest'][:24]}-*")))
+    )
     shard, start, end = group_regions(layout, done[0])[0]
     with open(staging / shard, "r+b") as f:
         f.seek(start)

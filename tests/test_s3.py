@@ -15,13 +15,13 @@ import pytest
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
+from mergepipe.devtools.synthetic import FamilyPaths, make_family
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.publish.manifest import verify_output
 from mergepipe.storage import remote
 from mergepipe.storage.model_files import MANIFEST_FILE
-from mergepipe.devtools.synthetic import FamilyPaths, make_family
 
 from .helpers import config_for
 
@@ -49,8 +49,17 @@ def read_object(server, key: str) -> bytes:
 def families(s3, tmp_path_factory):
     """The same family on local disk and on S3 (objects of a few hundred KiB)."""
     root = tmp_path_factory.mktemp("s3fam")
-    local = make_family(root, experts=("dense", "dense", "lora"), n_layers=2, hidden=128, intermediate=256,
-                        vocab=512, dtype="bfloat16", shards=2, seed=7)
+    local = make_family(
+        root,
+        experts=("dense", "dense", "lora"),
+        n_layers=2,
+        hidden=128,
+        intermediate=256,
+        vocab=512,
+        dtype="bfloat16",
+        shards=2,
+        seed=7,
+    )
     base = upload_folder(s3, local.base, "fam/base")
     experts = [upload_folder(s3, e, f"fam/{e.name}") for e in local.experts]
     return local, FamilyPaths(base, experts)
@@ -166,8 +175,13 @@ def test_missing_object_fails_clearly_and_publishes_nothing(s3, families, catalo
     with pytest.raises(BadInput, match=shard):
         merge(config=str(cfg), out=f"s3://{BUCKET}/out/missing", catalog=catalog)
     assert keys_under(s3, "out/missing") == []
-    cfg = config_for(tmp_path, FamilyPaths(f"s3://{BUCKET}/fam/base", [f"s3://{BUCKET}/no-such-expert"]),
-                     "task_arithmetic", weights=[0.5], name="gone.yaml")
+    cfg = config_for(
+        tmp_path,
+        FamilyPaths(f"s3://{BUCKET}/fam/base", [f"s3://{BUCKET}/no-such-expert"]),
+        "task_arithmetic",
+        weights=[0.5],
+        name="gone.yaml",
+    )
     with pytest.raises(BadInput, match="no-such-expert: model not found"):
         merge(config=str(cfg), out=f"s3://{BUCKET}/out/missing", catalog=catalog)
     assert keys_under(s3, "out/missing") == []
@@ -183,21 +197,35 @@ def test_overwritten_object_is_noticed_by_its_etag(s3, families, catalog, tmp_pa
     # Same key, same size, other bytes (another expert's shard): a new ETag, so a new pass.
     other = upload_folder(s3, local.experts[1], "fam-etag/other")
     for name in keys_under(s3, "fam-etag/other"):
-        s3.client().copy_object(Bucket=BUCKET, Key=f"{prefix}/{name}", CopySource={"Bucket": BUCKET, "Key": f"fam-etag/other/{name}"})
+        s3.client().copy_object(
+            Bucket=BUCKET, Key=f"{prefix}/{name}", CopySource={"Bucket": BUCKET, "Key": f"fam-etag/other/{name}"}
+        )
     again = index_family(config=str(cfg), catalog=catalog)
     assert again["indexed_now"] == [uri]
-    assert again["content_sha256"]["expert-0"] == index_family(
-        config=str(config_for(tmp_path, FamilyPaths(f"s3://{BUCKET}/fam/base", [other]), "task_arithmetic",
-                              weights=[0.5], name="other.yaml")), catalog=catalog
-    )["content_sha256"]["expert-0"]
+    assert (
+        again["content_sha256"]["expert-0"]
+        == index_family(
+            config=str(
+                config_for(
+                    tmp_path,
+                    FamilyPaths(f"s3://{BUCKET}/fam/base", [other]),
+                    "task_arithmetic",
+                    weights=[0.5],
+                    name="other.yaml",
+                )
+            ),
+            catalog=catalog,
+        )["content_sha256"]["expert-0"]
+    )
 
 
 def test_object_replaced_during_the_merge_is_not_published(s3, families, catalog, tmp_path, monkeypatch):
     local, _ = families
     prefix = "fam-swap/expert"
     uri = upload_folder(s3, local.experts[0], prefix)
-    cfg = config_for(tmp_path, FamilyPaths(f"s3://{BUCKET}/fam/base", [uri]), "task_arithmetic", weights=[0.5],
-                     budget="100%")
+    cfg = config_for(
+        tmp_path, FamilyPaths(f"s3://{BUCKET}/fam/base", [uri]), "task_arithmetic", weights=[0.5], budget="100%"
+    )
     index_family(config=str(cfg), catalog=catalog)
     replacement = local.experts[1]
     swapped = []
@@ -326,14 +354,22 @@ def _cli_env(home: Path, **extra) -> dict:
 def test_killed_upload_leaves_no_manifest_and_a_rerun_completes_it(s3, families, catalog, local_reference, tmp_path):
     _, remote_fam = families
     cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="25%")
-    env = _cli_env(tmp_path, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                   AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=s3.endpoint)
+    env = _cli_env(
+        tmp_path,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ENDPOINT_URL=s3.endpoint,
+    )
     out_key = "out/killed"
     log = open(tmp_path / "merge.log", "w")
     # Its own process group: the kill takes the ephemeral Prefect server it starts, too.
     proc = subprocess.Popen(
         [MERGEPIPE, "merge", str(cfg), "--out", f"s3://{BUCKET}/{out_key}", "--catalog", str(tmp_path / "cat.duckdb")],
-        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     killed = []
 
@@ -375,25 +411,43 @@ def test_credentials_never_leak(s3, families, tmp_path):
     secret = "mergepipe-test-secret-7Qz1xV"
     key_id = "AKIAMERGEPIPETEST"
     cfg = config_for(
-        tmp_path, remote_fam, "task_arithmetic", budget="25%",
-        storage_options={"key": key_id, "secret": secret, "endpoint_url": s3.endpoint,
-                         "client_kwargs": {"region_name": "us-east-1"}},
+        tmp_path,
+        remote_fam,
+        "task_arithmetic",
+        budget="25%",
+        storage_options={
+            "key": key_id,
+            "secret": secret,
+            "endpoint_url": s3.endpoint,
+            "client_kwargs": {"region_name": "us-east-1"},
+        },
     )
     # As Prefect flow runs (Prefect's temporary server, its database under tmp_path), so that
     # database and Prefect's logs are searched too; an in-process run has neither.
-    env = _cli_env(tmp_path, PREFECT_LOGGING_LEVEL="DEBUG", PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="DEBUG",
-                   MERGEPIPE_DEBUG="1", MERGEPIPE_ORCHESTRATION="prefect")
+    env = _cli_env(
+        tmp_path,
+        PREFECT_LOGGING_LEVEL="DEBUG",
+        PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL="DEBUG",
+        MERGEPIPE_DEBUG="1",
+        MERGEPIPE_ORCHESTRATION="prefect",
+    )
     cat = tmp_path / "cat.duckdb"
     out = f"s3://{BUCKET}/out/secret"
     run = subprocess.run(
         [MERGEPIPE, "merge", str(cfg), "--out", out, "--catalog", str(cat), "--json"],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     # A failing run too (a published output is refused): errors must not show them either.
     again = subprocess.run(
         [MERGEPIPE, "merge", str(cfg), "--out", out, "--catalog", str(cat)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert again.returncode == 2 and "already exists" in again.stderr
     logs = run.stdout + run.stderr + again.stdout + again.stderr

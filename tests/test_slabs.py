@@ -46,13 +46,13 @@ def _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned, 
     """(slab form, whole-tensor form, whether the slab form ran): the same LazyExperts each
     time, with each expert's planned rows (None: nothing planned). stored: the LazyExperts
     also hold the base as stored (bf16), as the executor gives it."""
-    patches = {
-        k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs
-    }
+    patches = {k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs}
     base_stored = base.to(torch.bfloat16) if stored else None
 
     def lazy():
-        return LazyExperts(base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32), base_stored, widens=True)
+        return LazyExperts(
+            base, lambda k: patches.get(k), len(experts), lambda t: t.to(torch.float32), base_stored, widens=True
+        )
 
     ran = []
     merge_in_slabs = gta.GeneralizedTaskArithmetic._merge_in_slabs
@@ -125,7 +125,9 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
         _check_merge_into(method, base, experts, params, ctx, planned, ran)
         # A caller done with the base lets an election write its result there: the same bits.
         scratch = base.clone()
-        reused, _, _ = _merge_both_forms(monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned)
+        reused, _, _ = _merge_both_forms(
+            monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned
+        )
         assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
         assert (reused.data_ptr() == scratch.data_ptr()) == (ran and method != "dare_linear")
     # Nothing read: every delta is base - base, and the result is base + (+0 * lambda) (a -0.0
@@ -136,7 +138,9 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
     assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32))
     if bool(torch.isfinite(base).all()):
         assert torch.equal(slabbed.view(torch.int32), (base + 0.0 * lam).view(torch.int32))
-    reused, _, _ = _merge_both_forms(monkeypatch, method, base.clone(), experts, params, replace(ctx, base_reusable=True), nothing)
+    reused, _, _ = _merge_both_forms(
+        monkeypatch, method, base.clone(), experts, params, replace(ctx, base_reusable=True), nothing
+    )
     assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
 
 
@@ -158,8 +162,14 @@ def _check_merge_into(method, base, experts, params, ctx, planned, ran):
                 stored = base.to(torch.bfloat16)
                 out = stored if out_dtype == "stored" else torch.full(base.shape, 7.0, dtype=out_dtype)
                 before = out.clone()
-                lazy = LazyExperts(to_compute(stored) if widened_first else None, lambda k: patches.get(k), len(experts),
-                                   to_compute, stored, widens=widens)
+                lazy = LazyExperts(
+                    to_compute(stored) if widened_first else None,
+                    lambda k: patches.get(k),
+                    len(experts),
+                    to_compute,
+                    stored,
+                    widens=widens,
+                )
                 done = op.merge_into(out, lazy, params, ctx)
                 case = (rounding, widened_first, out_dtype, planned)
                 assert done == takes, case
@@ -216,21 +226,34 @@ def test_nonzero_counts_on_stored_bits_equal_the_deltas_counts(monkeypatch):
         base = base_stored.float()
         experts = []
         for i in range(3):
-            x = torch.where(torch.rand(rows, width, generator=g) < 0.4, base + torch.randn(rows, width, generator=g), base)
+            x = torch.where(
+                torch.rand(rows, width, generator=g) < 0.4, base + torch.randn(rows, width, generator=g), base
+            )
             x = x.to(stored_dtype)
             x[0, :4] = torch.tensor([-0.0, 0.0, 0.0, -0.0])  # +0/-0 pairs: deltas of 0
             x[5, 2], x[6, 3] = float("nan"), float("-inf")
             experts.append(x)
-        experts.append(experts[0].to(torch.float16 if stored_dtype != torch.float16 else torch.bfloat16))  # another dtype
-        patches = {0: [((0, 12), experts[0][0:12]), ((20, 40), experts[0][20:40])], 1: [((0, 40), experts[1])],
-                   2: [((7, 9), experts[2][7:9])], 3: [((0, 40), experts[3])]}
+        experts.append(
+            experts[0].to(torch.float16 if stored_dtype != torch.float16 else torch.bfloat16)
+        )  # another dtype
+        patches = {
+            0: [((0, 12), experts[0][0:12]), ((20, 40), experts[0][20:40])],
+            1: [((0, 40), experts[1])],
+            2: [((7, 9), experts[2][7:9])],
+            3: [((0, 40), experts[3])],
+        }
         for stored in (base_stored, None):
             lazy = LazyExperts(base, patches.get, 5, lambda t: t.to(torch.float32), stored, widens=True)
             deltas = slabs.ExpertDeltas(base, lazy)
             for i in range(5):
                 deltas.fetch(i)
                 for a, b in ((0, 10), (10, 20), (20, 30), (30, 40), (0, 40), (8, 21)):
-                    assert deltas.nonzero(i, a, b) == int(torch.count_nonzero(deltas.tau(i, a, b))), (stored_dtype, i, a, b)
+                    assert deltas.nonzero(i, a, b) == int(torch.count_nonzero(deltas.tau(i, a, b))), (
+                        stored_dtype,
+                        i,
+                        a,
+                        b,
+                    )
 
 
 def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch):
@@ -240,7 +263,9 @@ def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch
     for shape, blocks in [((40,), ((0, 40),)), ((), ((0, 1),)), ((12, 5), ((0, 4), (4, 12)))]:
         base = torch.randn(shape, generator=g)
         experts = [base + torch.randint(-2, 3, shape, generator=g).float() * 0.5 for _ in range(3)]
-        params = OPERATORS["ties"].params(3, weight=(1.0, 0.5, 2.0), density=(0.5, 0.4, 0.9), normalize=True, rescale=True)
+        params = OPERATORS["ties"].params(
+            3, weight=(1.0, 0.5, 2.0), density=(0.5, 0.4, 0.9), normalize=True, rescale=True
+        )
         ctx = TensorContext("t", blocks, 5)
         for method in ("ties", "dare_ties"):
             slabbed = OPERATORS[method].merge(base, experts, params, ctx)
@@ -267,6 +292,7 @@ def test_magnitude_threshold_is_kthvalue_with_ties_to_the_lowest_indices():
     }
     for name, v in cases.items():
         for step in (1, 10, 100, n):
+
             def deltas():
                 for a in range(0, n, step):
                     yield v[a : a + step].clone()
@@ -288,11 +314,13 @@ def test_magnitude_threshold_is_kthvalue_with_ties_to_the_lowest_indices():
     v[100:400] = 0.0
     v[700:701] = 0.0
     for k in (1, 50, 200, 300, n // 2, n - 1):
+
         def pieces(runs_as_ints: bool):
             def deltas():
                 for a, b in ((0, 100), (100, 400), (400, 700), (700, 701), (701, n)):
                     zero_run = (a, b) in ((100, 400), (700, 701))
                     yield (b - a) if zero_run and runs_as_ints else v[a:b].clone()
+
             return deltas
 
         got, want = slabs.magnitude_threshold(pieces(True), n, k), slabs.magnitude_threshold(pieces(False), n, k)

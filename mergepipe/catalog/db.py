@@ -57,7 +57,9 @@ def _is_lock_error(err: Exception) -> bool:
 
 
 @contextmanager
-def connect(path: str | Path, *, read_only: bool = False, timeout: float | None = None) -> Iterator[duckdb.DuckDBPyConnection]:
+def connect(
+    path: str | Path, *, read_only: bool = False, timeout: float | None = None
+) -> Iterator[duckdb.DuckDBPyConnection]:
     """A connection held only for the duration of the block.
 
     DuckDB lets one process at a time open a file for writing and fails at once otherwise;

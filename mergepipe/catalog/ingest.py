@@ -60,8 +60,7 @@ def ingest_stats(
     transaction, with the base's block layout and their stat_sets rows (an expert with no float
     blocks still gets one, so it counts as indexed). A pass that fails before this leaves the
     catalog as it was."""
-    with transaction(con, new_models=models, new_files=files, new_tensors=tensors,
-                     new_stats=stats, new_blocks=blocks):
+    with transaction(con, new_models=models, new_files=files, new_tensors=tensors, new_stats=stats, new_blocks=blocks):
         _insert_models(con)
         con.execute(
             "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes, base_sq "

@@ -6,9 +6,9 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from mergepipe.errors import MergepipeError
 from mergepipe.catalog.db import sql_text
 from mergepipe.catalog.ingest import missing_base_energies
+from mergepipe.errors import MergepipeError
 
 MAX_FILL_ROUNDS = 256
 
@@ -30,7 +30,9 @@ def rank_candidates(
     if rank_by == "delta_over_sqrt_base":
         missing = missing_base_energies(con, base_fp, block_size)
         if missing:  # run_index fills them first; this guards a caller that did not
-            raise MergepipeError(f"rank_by: {rank_by}: the catalog lacks the base's energies for {missing} blocks; index the family again")
+            raise MergepipeError(
+                f"rank_by: {rank_by}: the catalog lacks the base's energies for {missing} blocks; index the family again"
+            )
     tensors = sorted(coefficients)
     k = len(expert_fps)
     table = pa.table(

@@ -13,7 +13,9 @@ from mergepipe.errors import BadInput
 
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
     """Store a plan once (a plan digest identifies its content)."""
-    tables = dict(new_plan=pa.Table.from_pylist([plan_row]), new_plan_experts=pa.Table.from_pylist(experts), new_access=access)
+    tables = dict(
+        new_plan=pa.Table.from_pylist([plan_row]), new_plan_experts=pa.Table.from_pylist(experts), new_access=access
+    )
     with transaction(con, **tables):
         if con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchall():
             return
@@ -23,7 +25,9 @@ def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict
             "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
             "planned_bytes, error_bound, bound_guaranteed, n_pairs FROM new_plan"
         )
-        con.execute("INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts")
+        con.execute(
+            "INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts"
+        )
         con.execute(
             "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
             [plan_row["plan_digest"]],
@@ -31,7 +35,9 @@ def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict
 
 
 def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, block_size: int) -> list[dict]:
-    rel = con.execute(sql_text("explain.sql"), {"plan_digest": plan_digest, "base_fp": base_fp, "block_size": block_size})
+    rel = con.execute(
+        sql_text("explain.sql"), {"plan_digest": plan_digest, "base_fp": base_fp, "block_size": block_size}
+    )
     cols = [d[0] for d in rel.description]
     return [dict(zip(cols, row)) for row in rel.fetchall()]
 

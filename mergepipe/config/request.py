@@ -104,5 +104,7 @@ def build_request(
     check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
     destination = None
     if out is not None:
-        destination = check_destination(with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris])
+        destination = check_destination(
+            with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris]
+        )
     return MergeRequest(spec, location, catalog_path(catalog), destination, overwrite, resolved_runner)

@@ -105,4 +105,3 @@ def evaluate(setting: Setting, tensor: str, t: float) -> float | bool | None:
     if isinstance(setting, list):
         return _interpolate(setting, t)
     return setting
-

@@ -14,7 +14,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
@@ -50,7 +59,10 @@ def _parameters_model(model_name: str, names: list[str]) -> type[BaseModel]:
 
     fields = {_field(n): (Any, Field(default=None, alias=n if _field(n) != n else None)) for n in sorted(names)}
     return create_model(
-        model_name, __base__=_Strict, __validators__={"_setting": field_validator("*", mode="before")(_setting)}, **fields
+        model_name,
+        __base__=_Strict,
+        __validators__={"_setting": field_validator("*", mode="before")(_setting)},
+        **fields,
     )
 
 
@@ -64,7 +76,14 @@ GlobalParameters = _parameters_model("GlobalParameters", list(declared_parameter
 # enters only where it is set.
 _DIGEST_MODEL_KEYS = frozenset({"weight", "density", "gamma", "epsilon"})
 _DIGEST_GLOBAL_KEYS = _DIGEST_MODEL_KEYS | {
-    "lambda", "normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise", "int8_mask",
+    "lambda",
+    "normalize",
+    "rescale",
+    "t",
+    "filter_wise",
+    "nuslerp_flatten",
+    "nuslerp_row_wise",
+    "int8_mask",
 }
 
 
@@ -223,7 +242,9 @@ class MergeSpec(_Strict):
         no storage options (they may hold credentials), no allow_nonfinite or tokenizer_source
         (they change no byte: the base's tokenizer files are copied either way). rank_by enters
         only when it is not the default, so digests from before it existed still hold."""
-        exclude = {"storage_options", "allow_nonfinite", "tokenizer_source"} | ({"rank_by"} if self.rank_by == "delta" else set())
+        exclude = {"storage_options", "allow_nonfinite", "tokenizer_source"} | (
+            {"rank_by"} if self.rank_by == "delta" else set()
+        )
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"
         data["parameters"] = _digest_form(self.parameters, _DIGEST_GLOBAL_KEYS)
@@ -306,7 +327,9 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         data = {**data, **overrides}
     spec = validate_spec(data, source=path)
     base_dir = split(path)[0] if is_remote(path) else str(Path(path).resolve().parent)
-    for key, ref in [("base_model", spec.base_model)] + [(f"models[{i}].model", m.model) for i, m in enumerate(spec.models)]:
+    for key, ref in [("base_model", spec.base_model)] + [
+        (f"models[{i}].model", m.model) for i, m in enumerate(spec.models)
+    ]:
         where = _resolve_location(ref, base_dir)
         if "+" in ref and not is_remote(where) and not Path(where).exists():
             raise BadInput(
@@ -316,9 +339,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
     return spec.model_copy(
         update={
             "base_model": _resolve_location(spec.base_model, base_dir),
-            "models": [
-                m.model_copy(update={"model": _resolve_location(m.model, base_dir)}) for m in spec.models
-            ],
+            "models": [m.model_copy(update={"model": _resolve_location(m.model, base_dir)}) for m in spec.models],
         }
     )
 

@@ -23,7 +23,9 @@ class FamilyPaths:
     experts: list[Path]
 
 
-def base_tensors(n_layers: int, hidden: int, intermediate: int, vocab: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+def base_tensors(
+    n_layers: int, hidden: int, intermediate: int, vocab: int, dtype: torch.dtype, seed: int
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
 
     def w(*shape: int) -> torch.Tensor:
@@ -63,7 +65,9 @@ def dense_expert(base: dict[str, torch.Tensor], seed: int, scale: float = 0.05) 
     return out
 
 
-def lora_expert(base: dict[str, torch.Tensor], seed: int, rank: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj")) -> dict[str, torch.Tensor]:
+def lora_expert(
+    base: dict[str, torch.Tensor], seed: int, rank: int = 4, targets: tuple[str, ...] = ("q_proj", "v_proj")
+) -> dict[str, torch.Tensor]:
     """Delta B @ A only in the targeted attention projections; everything else equals the base."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -95,7 +99,9 @@ def write_model(folder: Path, tensors: dict[str, torch.Tensor], shards: int, sid
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
     if sidecars:
-        (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}, indent=2))
+        (folder / "config.json").write_text(
+            json.dumps({"architectures": ["LlamaForCausalLM"], "tie_word_embeddings": True}, indent=2)
+        )
         (folder / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "WordLevel"}}))
     return folder
 

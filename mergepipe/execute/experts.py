@@ -29,9 +29,13 @@ class LazyExperts(ExpertSource):
     fp32 values."""
 
     def __init__(
-        self, base: torch.Tensor | None, planned_rows: Callable[[int], ExpertRows | None], n: int,
+        self,
+        base: torch.Tensor | None,
+        planned_rows: Callable[[int], ExpertRows | None],
+        n: int,
         to_compute: Callable[[torch.Tensor], torch.Tensor] = lambda t: t.to(torch.float32),
-        base_stored: torch.Tensor | None = None, widens: bool = False,
+        base_stored: torch.Tensor | None = None,
+        widens: bool = False,
     ) -> None:
         if base is None and base_stored is None:
             raise ValueError("LazyExperts needs the base, widened or stored")

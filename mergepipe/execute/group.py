@@ -81,7 +81,9 @@ class GroupMerger:
         names = self.layout.groups[group]
         wanted: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
         access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
-        for e, t, b, r0, r1 in zip(*(access[c].to_pylist() for c in ("expert", "tensor", "block", "row_start", "row_end"))):
+        for e, t, b, r0, r1 in zip(
+            *(access[c].to_pylist() for c in ("expert", "tensor", "block", "row_start", "row_end"))
+        ):
             wanted[(e, t)].append((b, r0, r1))
         reads = [self._tensor_reads(name, wanted) for name in names]
         # The kernel reads the next tensor's ranges while this one merges: one thread asks for
@@ -142,7 +144,9 @@ class GroupMerger:
             raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
             return self._expert_rows(k, name, width, runs[k], raws)
 
-        ctx = TensorContext(name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True)
+        ctx = TensorContext(
+            name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True
+        )
         params = self.params.for_tensor(name)
         out_dtype = DTYPES[out.dtype].torch
         # A large base is left as stored for an operator that can widen it a slab at a time.
@@ -172,7 +176,9 @@ class GroupMerger:
         ranges = [byte_range(t.start, t.shape, DTYPES[t.dtype].itemsize, r0, r1) for r0, r1 in row_runs]
         return ReadRequest(self._path(k + 1, t.file), ranges, "expert", inp.role, t.file)
 
-    def _expert_rows(self, k: int, name: str, width: int, row_runs: list[tuple[int, int]], raws: list[bytearray]) -> ExpertRows:
+    def _expert_rows(
+        self, k: int, name: str, width: int, row_runs: list[tuple[int, int]], raws: list[bytearray]
+    ) -> ExpertRows:
         """The expert's planned rows as stored (rows of the tensor's 2-D view over the read
         buffers, no copy); the operator converts them with to_compute, piece by piece."""
         dtype = self.plan.inputs[k + 1].tensors[name].dtype

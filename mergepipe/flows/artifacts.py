@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from mergepipe.storage.location import is_remote
 from mergepipe.flows.orchestration import publish_artifact
+from mergepipe.storage.location import is_remote
 
 PLAN_KEY = "merge-plan"
 SUMMARY_KEY = "merge-summary"
@@ -64,4 +64,9 @@ def summary_artifact(result: dict) -> None:
         f"| error bound | {result['error_bound']:.6g}{'' if result['bound_guaranteed'] else ' (heuristic)'} |",
         f"| wall time | {result['wall_seconds']:.1f} s |",
     ]
-    publish_artifact(create_markdown_artifact, key=SUMMARY_KEY, markdown="\n".join(lines), description=f"{result['kind']} {result['digest'][:16]}")
+    publish_artifact(
+        create_markdown_artifact,
+        key=SUMMARY_KEY,
+        markdown="\n".join(lines),
+        description=f"{result['kind']} {result['digest'][:16]}",
+    )

@@ -87,7 +87,9 @@ def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
             result, rows = call_with_retries(compute_block_stats, family, missing, bs)
             ledger.merge(rows)
         else:
-            state = compute_block_stats.with_options(result_storage=results_dir())(family, missing, bs, return_state=True)
+            state = compute_block_stats.with_options(result_storage=results_dir())(
+                family, missing, bs, return_state=True
+            )
             result, rows = state.result()
             if state.name != "Cached":  # a cached pass read nothing now
                 ledger.merge(rows)
@@ -164,9 +166,13 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults) -> None:
             else:
                 todo.append(g)
         params = [
-            {"plan_dir": ex.plan_dir, "group": g, "staging": staging, "options_from": ex.request.options_from} for g in todo
+            {"plan_dir": ex.plan_dir, "group": g, "staging": staging, "options_from": ex.request.options_from}
+            for g in todo
         ]
-        with torch_threads_per_worker(worker_count()), run_groups(params, ex.request.runner, worker_count()) as finished:
+        with (
+            torch_threads_per_worker(worker_count()),
+            run_groups(params, ex.request.runner, worker_count()) as finished,
+        ):
             for group, result in finished:
                 results.add(group, result, False)
     finally:
@@ -217,7 +223,9 @@ def execute_plan(ex: Execution) -> dict:
             "workers": dict(sorted(results.workers.items())),
             "timings": ex.timings,
         }
-        manifest, rows = run_task(publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest)
+        manifest, rows = run_task(
+            publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest
+        )
         ledger.merge(rows)
     except BaseException:
         writer.discard(Path(staging))

@@ -23,20 +23,24 @@ class DeploymentSpec:
 
 DEPLOYMENTS = [
     DeploymentSpec(
-        "index", "mergepipe.flows.index_family:index_family",
+        "index",
+        "mergepipe.flows.index_family:index_family",
         "Index a family's block statistics (parameters: config, catalog).",
     ),
     DeploymentSpec(
-        "merge", "mergepipe.flows.merge:merge",
+        "merge",
+        "mergepipe.flows.merge:merge",
         "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address). "
         "{date} in out becomes the run's scheduled date.",
     ),
     DeploymentSpec(
-        "sweep", "mergepipe.flows.sweep:budget_sweep",
+        "sweep",
+        "mergepipe.flows.sweep:budget_sweep",
         "Merge at several budgets, one output per budget under out (parameters: config, out, budgets, runner, dask_address).",
     ),
     DeploymentSpec(
-        "merge-nightly", "mergepipe.flows.merge:merge",
+        "merge-nightly",
+        "mergepipe.flows.merge:merge",
         "The merge deployment on a schedule; its output folder carries the run date.",
         parameters={"config": "configs/nightly.yaml", "out": "merges/nightly-{date}", "budget": "25%"},
         cron=NIGHTLY_CRON,
@@ -56,7 +60,10 @@ def runner_deployments() -> list:
 
     return [
         load_flow(d.entrypoint).to_deployment(
-            name=d.name, description=d.description, parameters=d.parameters or None, cron=d.cron,
+            name=d.name,
+            description=d.description,
+            parameters=d.parameters or None,
+            cron=d.cron,
             entrypoint_type=EntrypointType.MODULE_PATH,
         )
         for d in DEPLOYMENTS

@@ -34,7 +34,9 @@ def _with_prefect(params: list[dict], runner: Runner, workers: int) -> Iterator[
     with layer_task_runner(runner, workers) as pool:
         futures = {}
         for p in params:
-            futures[pool.submit(merge_layer_group, parameters=p) if pool else merge_layer_group.submit(**p)] = p["group"]
+            futures[pool.submit(merge_layer_group, parameters=p) if pool else merge_layer_group.submit(**p)] = p[
+                "group"
+            ]
         try:
             yield ((futures[f], f.result()) for f in as_completed(list(futures)))
         finally:

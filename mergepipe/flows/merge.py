@@ -67,8 +67,15 @@ def merge(
     t0 = time.perf_counter()
     started = now()
     request = build_request(
-        config, out=out, budget=budget, max_error=max_error, overwrite=overwrite, catalog=catalog,
-        runner=runner, dask_address=dask_address, run_date=scheduled_date() if "{date}" in out else None,
+        config,
+        out=out,
+        budget=budget,
+        max_error=max_error,
+        overwrite=overwrite,
+        catalog=catalog,
+        runner=runner,
+        dask_address=dask_address,
+        run_date=scheduled_date() if "{date}" in out else None,
     )
     outcome = run_index(request.spec, request.catalog)
     t_plan = time.perf_counter()

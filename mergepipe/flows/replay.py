@@ -35,7 +35,9 @@ def replay(
     recorded = load_manifest(manifest)
     content, run = recorded["content"], recorded["run"]
     spec = validate_spec(run["spec"], source=manifest_uri(manifest))
-    request = build_request(spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address)
+    request = build_request(
+        spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address
+    )
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
     for want, fp, uri in zip(content["plan"]["inputs"], fps, [spec.base_model, *spec.expert_uris]):
@@ -48,12 +50,20 @@ def replay(
     access = load_access_set(manifest, recorded)
     plan_content = content["plan"]
     p = build_plan(
-        spec, outcome.family, outcome.content, access,
-        budget_bytes=plan_content["budget_bytes"], bound=plan_content["error_bound"],
+        spec,
+        outcome.family,
+        outcome.content,
+        access,
+        budget_bytes=plan_content["budget_bytes"],
+        bound=plan_content["error_bound"],
     )
     if p.plan_digest != plan_content["plan_digest"]:
-        raise BadInput(f"{manifest_uri(manifest)}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}")
+        raise BadInput(
+            f"{manifest_uri(manifest)}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}"
+        )
     plan_dir = saved.save(p, plans_root())
     return execute_plan(
-        Execution(request, p, plan_dir, "replay", outcome.ledger, {"index": outcome.seconds}, started, t0, recorded["digest"])
+        Execution(
+            request, p, plan_dir, "replay", outcome.ledger, {"index": outcome.seconds}, started, t0, recorded["digest"]
+        )
     )

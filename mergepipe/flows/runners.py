@@ -14,6 +14,7 @@ from typing import Iterator
 
 from mergepipe.config.request import Runner
 
+
 @contextmanager
 def layer_task_runner(runner: Runner, workers: int) -> Iterator[object | None]:
     """None for the flow's thread pool; else an entered DaskTaskRunner, on the cluster at
@@ -29,8 +30,13 @@ def layer_task_runner(runner: Runner, workers: int) -> Iterator[object | None]:
     else:
         dask = DaskTaskRunner(
             cluster_class="distributed.LocalCluster",
-            cluster_kwargs={"n_workers": workers, "threads_per_worker": 1, "processes": True,
-                            "dashboard_address": None, "silence_logs": logging.ERROR},
+            cluster_kwargs={
+                "n_workers": workers,
+                "threads_per_worker": 1,
+                "processes": True,
+                "dashboard_address": None,
+                "silence_logs": logging.ERROR,
+            },
         )
     with dask:
         yield dask

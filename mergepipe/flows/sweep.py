@@ -38,15 +38,25 @@ def budget_sweep(
         budgets.append("100%")
     rows = []
     for budget in budgets:
-        r = run_flow(merge, config=config, out=join(out, budget_label(budget)), budget=budget, overwrite=overwrite,
-                     catalog=catalog, runner=runner, dask_address=dask_address)
+        r = run_flow(
+            merge,
+            config=config,
+            out=join(out, budget_label(budget)),
+            budget=budget,
+            overwrite=overwrite,
+            catalog=catalog,
+            runner=runner,
+            dask_address=dask_address,
+        )
         rows.append(
             {
                 "budget": budget,
                 "budget_bytes": r["budget_bytes"],
                 "expert_bytes_read": r["expert_bytes_read"],
                 "full_expert_bytes": r["full_expert_bytes"],
-                "read_share": 100 * r["expert_bytes_read"] / r["full_expert_bytes"] if r["full_expert_bytes"] else 100.0,
+                "read_share": 100 * r["expert_bytes_read"] / r["full_expert_bytes"]
+                if r["full_expert_bytes"]
+                else 100.0,
                 "error_bound": r["error_bound"],
                 "bound_guaranteed": r["bound_guaranteed"],
                 "wall_seconds": round(r["wall_seconds"], 3),

@@ -24,10 +24,10 @@ import pyarrow.compute as pc
 import torch
 import xxhash
 
-from mergepipe.storage.canonical import digest_of
 from mergepipe.errors import BadInput
-from mergepipe.index.family import Family, expert_label
 from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
+from mergepipe.index.family import Family, expert_label
+from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
@@ -137,8 +137,15 @@ def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: byte
 
 
 def _expert_rows(
-    model: ModelFiles, fp: str, name: str, run: list[int], rows: list[tuple[int, int]], chunk: bytearray,
-    ranges: list[tuple[int, int]], bases: list[tuple[torch.Tensor, np.ndarray]], hasher,
+    model: ModelFiles,
+    fp: str,
+    name: str,
+    run: list[int],
+    rows: list[tuple[int, int]],
+    chunk: bytearray,
+    ranges: list[tuple[int, int]],
+    bases: list[tuple[torch.Tensor, np.ndarray]],
+    hasher,
 ) -> list[tuple]:
     """One expert's statistics rows for one run of blocks of a float tensor (hashing as it
     goes). Runs in a worker thread: hashlib, xxhash and numpy release the GIL on large buffers."""
@@ -179,8 +186,10 @@ def compute_stats(
     runs = list(_block_runs(family, models, block_size))
     # The next runs are read while this one is measured: a cold disk needs several requests in
     # flight to approach its sequential rate.
-    with ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool, \
-            ThreadPoolExecutor(READ_AHEAD) as ahead:
+    with (
+        ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool,
+        ThreadPoolExecutor(READ_AHEAD) as ahead,
+    ):
         pending = deque(ahead.submit(reader.read_batch, r.requests) for r in runs[:READ_AHEAD])
         for i, (name, info, dt, run, _, rows, per_model) in enumerate(runs):
             chunks = [bufs[0] for bufs in pending.popleft().result()]
@@ -199,7 +208,9 @@ def compute_stats(
                 base64 = base_t.double().numpy().reshape(-1)
                 bases.append((base_t, base64))
                 base_sq = float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
-                for col, value in zip(BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)):
+                for col, value in zip(
+                    BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)
+                ):
                     layout[col].append(value)
             futures = [
                 pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])

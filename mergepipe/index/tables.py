@@ -14,13 +14,29 @@ MODELS_SCHEMA = pa.schema(
     [("model_fp", pa.string()), ("uri", pa.string()), ("n_tensors", pa.int64()), ("tensor_bytes", pa.int64())]
 )
 FILES_SCHEMA = pa.schema(
-    [("model_fp", pa.string()), ("file", pa.string()), ("size", pa.int64()), ("mtime_ns", pa.int64()),
-     ("ctime_ns", pa.int64()), ("inode", pa.int64()), ("header_bytes", pa.int64()), ("etag", pa.string()),
-     ("version_id", pa.string())]
+    [
+        ("model_fp", pa.string()),
+        ("file", pa.string()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("ctime_ns", pa.int64()),
+        ("inode", pa.int64()),
+        ("header_bytes", pa.int64()),
+        ("etag", pa.string()),
+        ("version_id", pa.string()),
+    ]
 )
 TENSORS_SCHEMA = pa.schema(
-    [("model_fp", pa.string()), ("name", pa.string()), ("file", pa.string()), ("dtype", pa.string()),
-     ("shape", pa.list_(pa.int64())), ("byte_start", pa.int64()), ("byte_end", pa.int64()), ("layer", pa.string())]
+    [
+        ("model_fp", pa.string()),
+        ("name", pa.string()),
+        ("file", pa.string()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("byte_start", pa.int64()),
+        ("byte_end", pa.int64()),
+        ("layer", pa.string()),
+    ]
 )
 
 
@@ -35,21 +51,39 @@ def model_tables(models: list[ModelFiles]) -> ModelTables:
     for model in models:
         fp = model_fingerprint(model)
         m_rows.append(
-            {"model_fp": fp, "uri": model.uri, "n_tensors": len(model.tensors),
-             "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values())}
+            {
+                "model_fp": fp,
+                "uri": model.uri,
+                "n_tensors": len(model.tensors),
+                "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values()),
+            }
         )
         for shard, ffp in model.fingerprints.items():
             f_rows.append(
-                {"model_fp": fp, "file": shard, "size": ffp.size, "mtime_ns": ffp.mtime_ns,
-                 "ctime_ns": ffp.ctime_ns, "inode": ffp.inode,
-                 "header_bytes": len(model.header_bytes.get(shard, b"")),
-                 "etag": ffp.etag, "version_id": ffp.version_id}
+                {
+                    "model_fp": fp,
+                    "file": shard,
+                    "size": ffp.size,
+                    "mtime_ns": ffp.mtime_ns,
+                    "ctime_ns": ffp.ctime_ns,
+                    "inode": ffp.inode,
+                    "header_bytes": len(model.header_bytes.get(shard, b"")),
+                    "etag": ffp.etag,
+                    "version_id": ffp.version_id,
+                }
             )
         for name, loc in model.tensors.items():
             t_rows.append(
-                {"model_fp": fp, "name": name, "file": loc.file, "dtype": loc.info.dtype,
-                 "shape": list(loc.info.shape), "byte_start": loc.info.start, "byte_end": loc.info.end,
-                 "layer": layer_group(name)}
+                {
+                    "model_fp": fp,
+                    "name": name,
+                    "file": loc.file,
+                    "dtype": loc.info.dtype,
+                    "shape": list(loc.info.shape),
+                    "byte_start": loc.info.start,
+                    "byte_end": loc.info.end,
+                    "layer": layer_group(name),
+                }
             )
     return ModelTables(
         pa.Table.from_pylist(m_rows, schema=MODELS_SCHEMA),

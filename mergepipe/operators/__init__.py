@@ -7,7 +7,15 @@ merged fp32 tensor. A new method is one file with an Operator subclass plus its 
 
 from __future__ import annotations
 
-from mergepipe.operators.base import ExpertSource, MergeParams, Operator, Parameter, ParamTable, TensorContext, WholeTensors
+from mergepipe.operators.base import (
+    ExpertSource,
+    MergeParams,
+    Operator,
+    Parameter,
+    ParamTable,
+    TensorContext,
+    WholeTensors,
+)
 from mergepipe.operators.gta import GTA_OPERATORS
 from mergepipe.operators.linear import Linear
 from mergepipe.operators.model_stock import ModelStock
@@ -43,6 +51,14 @@ def declared_parameters() -> dict[str, Parameter]:
 
 
 __all__ = [
-    "OPERATORS", "ExpertSource", "MergeParams", "Operator", "Parameter", "ParamTable", "TensorContext",
-    "WholeTensors", "declared_parameters", "get_operator",
+    "OPERATORS",
+    "ExpertSource",
+    "MergeParams",
+    "Operator",
+    "Parameter",
+    "ParamTable",
+    "TensorContext",
+    "WholeTensors",
+    "declared_parameters",
+    "get_operator",
 ]

@@ -51,7 +51,9 @@ def _share_range(v: float) -> None:
 # Declarations several operators share (mergekit's names and defaults).
 WEIGHT = Parameter("weight", per_model=True, required=True)
 DENSITY = Parameter("density", per_model=True, default=1.0, check=_density_range)
-GAMMA = Parameter("gamma", per_model=True, default=0.01, check=_share_range)  # breadcrumbs: share of the largest |delta| dropped
+GAMMA = Parameter(
+    "gamma", per_model=True, default=0.01, check=_share_range
+)  # breadcrumbs: share of the largest |delta| dropped
 EPSILON = Parameter("epsilon", per_model=True, default=0.15, check=_share_range)  # della: spread of keep probabilities
 LAMBDA = Parameter("lambda", default=1.0)
 # Accepted for mergekit configs; changes nothing here (merges run in fp32).
@@ -258,14 +260,20 @@ class Operator(ABC):
         bound when additive, a proxy otherwise)."""
 
     def merge(
-        self, base: torch.Tensor, experts: ExpertSource | Sequence[torch.Tensor], params: MergeParams, ctx: TensorContext
+        self,
+        base: torch.Tensor,
+        experts: ExpertSource | Sequence[torch.Tensor],
+        params: MergeParams,
+        ctx: TensorContext,
     ) -> torch.Tensor:
         """The merged fp32 tensor. `experts` may be plain tensors (then read whole)."""
         source = experts if isinstance(experts, ExpertSource) else WholeTensors(base, experts)
         return self.merge_source(base, source, params, ctx)
 
     @abstractmethod
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor: ...
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor: ...
 
     def merge_into(self, out: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> bool:
         """merge() written into `out`, slab by slab from the stored base (has_slab_form). False,

@@ -22,8 +22,19 @@ from typing import Callable, Sequence
 import torch
 
 from mergepipe.operators.base import (
-    DENSITY, EPSILON, GAMMA, INT8_MASK, LAMBDA, WEIGHT, ExpertSource, MergeParams, Operator, Parameter, TensorContext,
-    as_rows, flag,
+    DENSITY,
+    EPSILON,
+    GAMMA,
+    INT8_MASK,
+    LAMBDA,
+    WEIGHT,
+    ExpertSource,
+    MergeParams,
+    Operator,
+    Parameter,
+    TensorContext,
+    as_rows,
+    flag,
 )
 from mergepipe.operators.draws import default_keep
 from mergepipe.operators.slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
@@ -66,7 +77,13 @@ class GeneralizedTaskArithmetic(Operator):
     has_slab_form = True
 
     def __init__(
-        self, name: str, *, sparsify: Sparsifier, consensus: bool, normalize: bool, rescale: bool,
+        self,
+        name: str,
+        *,
+        sparsify: Sparsifier,
+        consensus: bool,
+        normalize: bool,
+        rescale: bool,
         per_model: tuple[Parameter, ...] = (WEIGHT, DENSITY),
     ) -> None:
         self.name, self.sparsify, self.consensus = name, sparsify, consensus
@@ -92,11 +109,15 @@ class GeneralizedTaskArithmetic(Operator):
         den = scalar_denominator(params["weight"]) if params["normalize"] else 1.0
         return [abs(params["lambda"] * w / den) for w in params["weight"]]
 
-    def _delta(self, base: torch.Tensor, x: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:
+    def _delta(
+        self, base: torch.Tensor, x: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext
+    ) -> torch.Tensor:
         # sparsify gets a fresh delta it may change in place; the weight is applied in place too
         return self.sparsify(x - base, params, i, ctx).mul_(params["weight"][i])
 
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor:
         merged = self._merge_in_slabs(base, experts, params, ctx)
         if merged is not None:
             return merged
@@ -132,7 +153,9 @@ class GeneralizedTaskArithmetic(Operator):
                 # A plain weighted sum: only the rows an expert was read in carry a delta, so only
                 # they are computed (the same element operations, in the same order, as below).
                 for i in range(len(experts)):
-                    _add_weighted_rows(as_rows(mixed), as_rows(base), experts.rows(i) or (), params["weight"][i], experts.to_compute)
+                    _add_weighted_rows(
+                        as_rows(mixed), as_rows(base), experts.rows(i) or (), params["weight"][i], experts.to_compute
+                    )
             else:
                 for i, x in enumerate(experts):
                     mixed += self._delta(base, x, params, i, ctx)
@@ -156,7 +179,9 @@ class GeneralizedTaskArithmetic(Operator):
         slabbed.elect(out)
         return True
 
-    def _merge_in_slabs(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor | None:
+    def _merge_in_slabs(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor | None:
         """The slab-by-slab form (slabs.py) where it applies; None where the whole-tensor form
         must run."""
         slabbed = self._slab_merge(base, experts, params, ctx)
@@ -175,7 +200,9 @@ class GeneralizedTaskArithmetic(Operator):
             mixed.div_(scalar_denominator(params["weight"]))
         return mixed.mul_(params["lambda"]).add_(base)
 
-    def _slab_merge(self, base: torch.Tensor | None, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> SlabMerge | None:
+    def _slab_merge(
+        self, base: torch.Tensor | None, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> SlabMerge | None:
         """The slab form of this merge; None where it does not apply: other sparsifiers, replayed
         masks, blocks that do not tile the rows, a base that is not fp32, whole expert tensors of
         another dtype or shape, sums without an election other than DARE's or without a widened
@@ -230,12 +257,31 @@ GTA_OPERATORS = (
     GeneralizedTaskArithmetic("ties", sparsify=magnitude, consensus=True, normalize=True, rescale=False),
     GeneralizedTaskArithmetic("dare_linear", sparsify=dare, consensus=False, normalize=False, rescale=True),
     GeneralizedTaskArithmetic("dare_ties", sparsify=dare, consensus=True, normalize=False, rescale=True),
-    GeneralizedTaskArithmetic("breadcrumbs", sparsify=breadcrumbs, consensus=False, normalize=False, rescale=False,
-                              per_model=(WEIGHT, DENSITY, GAMMA)),
-    GeneralizedTaskArithmetic("breadcrumbs_ties", sparsify=breadcrumbs, consensus=True, normalize=False, rescale=False,
-                              per_model=(WEIGHT, DENSITY, GAMMA)),
-    GeneralizedTaskArithmetic("della", sparsify=della, consensus=True, normalize=True, rescale=True,
-                              per_model=(WEIGHT, DENSITY, EPSILON)),
-    GeneralizedTaskArithmetic("della_linear", sparsify=della, consensus=False, normalize=False, rescale=True,
-                              per_model=(WEIGHT, DENSITY, EPSILON)),
+    GeneralizedTaskArithmetic(
+        "breadcrumbs",
+        sparsify=breadcrumbs,
+        consensus=False,
+        normalize=False,
+        rescale=False,
+        per_model=(WEIGHT, DENSITY, GAMMA),
+    ),
+    GeneralizedTaskArithmetic(
+        "breadcrumbs_ties",
+        sparsify=breadcrumbs,
+        consensus=True,
+        normalize=False,
+        rescale=False,
+        per_model=(WEIGHT, DENSITY, GAMMA),
+    ),
+    GeneralizedTaskArithmetic(
+        "della", sparsify=della, consensus=True, normalize=True, rescale=True, per_model=(WEIGHT, DENSITY, EPSILON)
+    ),
+    GeneralizedTaskArithmetic(
+        "della_linear",
+        sparsify=della,
+        consensus=False,
+        normalize=False,
+        rescale=True,
+        per_model=(WEIGHT, DENSITY, EPSILON),
+    ),
 )

@@ -32,7 +32,9 @@ class Linear(Operator):
         den = scalar_denominator(self._all_weights(params)) if params["normalize"] else 1.0
         return [abs(w / den) for w in params["weight"]]
 
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor:
         weighted_base = [base] if params.base_value("weight") is not None else []
         inputs = itertools.chain(weighted_base, experts)  # one at a time
         acc = torch.zeros_like(base)

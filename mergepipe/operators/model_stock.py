@@ -23,7 +23,9 @@ class ModelStock(Operator):
     def coefficients(self, params: MergeParams) -> list[float]:
         return [1.0 / params.n_experts] * params.n_experts
 
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor:
         shape = base.shape
         if params["filter_wise"]:
             as_filters = (lambda x: x.reshape(1, -1)) if base.dim() < 2 else (lambda x: x)

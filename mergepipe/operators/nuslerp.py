@@ -4,13 +4,17 @@ per vector along the last dim, or per row; in fp32. Not additive (see slerp.py):
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.reductions import norm_last, sum_last
 
 
-def nuslerp(t: float, v0: torch.Tensor, v1: torch.Tensor, *, flatten: bool, row_wise: bool, eps: float = 1e-8) -> torch.Tensor:
+def nuslerp(
+    t: float, v0: torch.Tensor, v1: torch.Tensor, *, flatten: bool, row_wise: bool, eps: float = 1e-8
+) -> torch.Tensor:
     """Slerp of unit directions per vector: the whole tensor (flatten), each vector along the
     last dim, or (row_wise) along dim 0. Norms are clamped at 1e-7; (nearly) colinear vectors
     interpolate linearly."""
@@ -50,7 +54,15 @@ class NuSlerp(Operator):
         t = nuslerp_t(params["weight"])
         return [abs(1 - t), abs(t)]
 
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor:
         t = nuslerp_t(params["weight"])
-        mixed = nuslerp(t, experts[0] - base, experts[1] - base, flatten=params["nuslerp_flatten"], row_wise=params["nuslerp_row_wise"])
+        mixed = nuslerp(
+            t,
+            experts[0] - base,
+            experts[1] - base,
+            flatten=params["nuslerp_flatten"],
+            row_wise=params["nuslerp_row_wise"],
+        )
         return base + mixed

@@ -403,7 +403,14 @@ KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "
 class SlabMerge:
     """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab."""
 
-    def __init__(self, base: torch.Tensor | None, experts: ExpertSource, params: MergeParams, ctx: TensorContext, keep: KeepFactory) -> None:
+    def __init__(
+        self,
+        base: torch.Tensor | None,
+        experts: ExpertSource,
+        params: MergeParams,
+        ctx: TensorContext,
+        keep: KeepFactory,
+    ) -> None:
         """base None: widened from the source's stored base slab by slab (ExpertDeltas)."""
         self.base, self.params = base, params
         self.deltas = ExpertDeltas(base, experts)

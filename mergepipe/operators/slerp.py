@@ -43,5 +43,7 @@ class Slerp(Operator):
     def coefficients(self, params: MergeParams) -> list[float]:
         return [abs(params["t"])]
 
-    def merge_source(self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> torch.Tensor:
+    def merge_source(
+        self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
+    ) -> torch.Tensor:
         return slerp(params["t"], base, experts[0])

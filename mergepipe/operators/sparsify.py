@@ -180,7 +180,9 @@ def della_keep_probs(tau: torch.Tensor, density: float, epsilon: float) -> torch
     return probs.reshape(tau.shape)
 
 
-def della_prune(tau: torch.Tensor, density: float, epsilon: float, rescale: bool, expert: int, ctx: TensorContext) -> torch.Tensor:
+def della_prune(
+    tau: torch.Tensor, density: float, epsilon: float, rescale: bool, expert: int, ctx: TensorContext
+) -> torch.Tensor:
     if density >= 1.0:
         return tau
     return _masked(tau, ctx.keep(expert, della_keep_probs(tau, density, epsilon), ctx), rescale)

@@ -15,7 +15,9 @@ from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan, build_plan, error_bound, full_expert_bytes
 
 
-def check_nonfinite(spec: MergeSpec, family: Family, budget_bytes: int, first, n: int, omitted: int, nbytes: int) -> None:
+def check_nonfinite(
+    spec: MergeSpec, family: Family, budget_bytes: int, first, n: int, omitted: int, nbytes: int
+) -> None:
     """Blocks whose delta is NaN or Inf: refused unless allow_nonfinite, and then never left
     out (the error of omitting one has no bound)."""
     if first is None:
@@ -41,7 +43,12 @@ def choose_plan(spec: MergeSpec, family: Family, content: dict[str, str], catalo
     full = full_expert_bytes(family)
     with db.connect(catalog) as con:
         n = planner.rank_candidates(
-            con, family.base_fp, spec.block_size_bytes, expert_fps, coefficients, skip_zero=op.zero_coefficient_unused,
+            con,
+            family.base_fp,
+            spec.block_size_bytes,
+            expert_fps,
+            coefficients,
+            skip_zero=op.zero_coefficient_unused,
             rank_by=spec.rank_by,
         )
         if spec.max_error is not None:
@@ -51,23 +58,44 @@ def choose_plan(spec: MergeSpec, family: Family, content: dict[str, str], catalo
             planner.select_within_bytes(con, budget_bytes)
         check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
         access = planner.selected_pairs(con)
-        plan = build_plan(spec, family, content, access, budget_bytes=budget_bytes, bound=error_bound(planner.omitted_pairs(con)),
-                          params=table)
+        plan = build_plan(
+            spec,
+            family,
+            content,
+            access,
+            budget_bytes=budget_bytes,
+            bound=error_bound(planner.omitted_pairs(con)),
+            params=table,
+        )
         # Budget soundness is a property of the plan, checked before any expert byte is read.
         if plan.expert_bytes_planned > budget_bytes:
-            raise MergepipeError(f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}")
+            raise MergepipeError(
+                f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}"
+            )
         records.save_plan(
             con,
             {
-                "plan_digest": plan.plan_digest, "base_fp": family.base_fp, "block_size": plan.block_size,
-                "merge_method": spec.merge_method, "budget": spec.budget_label,
-                "budget_bytes": budget_bytes, "full_expert_bytes": full, "planned_bytes": plan.expert_bytes_planned,
-                "error_bound": plan.error_bound, "bound_guaranteed": plan.bound_guaranteed, "n_pairs": plan.n_pairs,
+                "plan_digest": plan.plan_digest,
+                "base_fp": family.base_fp,
+                "block_size": plan.block_size,
+                "merge_method": spec.merge_method,
+                "budget": spec.budget_label,
+                "budget_bytes": budget_bytes,
+                "full_expert_bytes": full,
+                "planned_bytes": plan.expert_bytes_planned,
+                "error_bound": plan.error_bound,
+                "bound_guaranteed": plan.bound_guaranteed,
+                "n_pairs": plan.n_pairs,
             },
             [
                 # The largest |c_k| over tensors: filters and gradients may vary it per tensor.
-                {"plan_digest": plan.plan_digest, "expert": i, "expert_fp": fp,
-                 "coefficient": max((abs(c[i]) for c in per_set), default=0.0), "planned_bytes": plan.planned_bytes[i]}
+                {
+                    "plan_digest": plan.plan_digest,
+                    "expert": i,
+                    "expert_fp": fp,
+                    "coefficient": max((abs(c[i]) for c in per_set), default=0.0),
+                    "planned_bytes": plan.planned_bytes[i],
+                }
                 for i, fp in enumerate(expert_fps)
             ],
             access.select(["expert", "tensor", "block", "bytes", "score"]),

@@ -4,7 +4,6 @@ so layer tasks can write their tensors in place, in any order, on any worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from mergepipe.index.blocks import layer_group
@@ -102,5 +101,7 @@ def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype:
 
 
 def output_layout_of(plan: Plan) -> OutputLayout:
-    entries = {name: (output_dtype(plan.dtype, plan.out_dtype, t.dtype), t.shape) for name, t in plan.inputs[0].tensors.items()}
+    entries = {
+        name: (output_dtype(plan.dtype, plan.out_dtype, t.dtype), t.shape) for name, t in plan.inputs[0].tensors.items()
+    }
     return plan_output(entries, plan.out_shard_size)

@@ -49,12 +49,16 @@ def _resolve(spec: MergeSpec, tensor: str, t: float) -> MergeParams:
                         f"models[{i}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
                         f"{_where(tensor)} (model {entry.model}); no value, no matching filter and no global {p.name}"
                     )
-                values.append(float(p.default if v is None else v) if p.kind == "float" else bool(p.default if v is None else v))
+                values.append(
+                    float(p.default if v is None else v) if p.kind == "float" else bool(p.default if v is None else v)
+                )
             resolved[p.name] = tuple(values)
         else:
             v = value(p.name, None)
             if v is None and p.required:
-                raise BadInput(f"parameters.{p.name}: required by merge_method {spec.merge_method!r}{_where(tensor)}; no filter matched")
+                raise BadInput(
+                    f"parameters.{p.name}: required by merge_method {spec.merge_method!r}{_where(tensor)}; no filter matched"
+                )
             resolved[p.name] = p.default if v is None else (float(v) if p.kind == "float" else v)
     base_values = None
     if op.base_weighted:

@@ -170,8 +170,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, data: dict, access: pa.Table) -> "Plan":
-        return cls(**{**data, "inputs": [InputModel.from_json(i) for i in data["inputs"]]},
-                   access=access.cast(ACCESS_SCHEMA))
+        return cls(
+            **{**data, "inputs": [InputModel.from_json(i) for i in data["inputs"]]}, access=access.cast(ACCESS_SCHEMA)
+        )
 
 
 def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int, access_sha: str) -> str:

@@ -35,7 +35,9 @@ def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:
     """Frobenius distance of `merged` from `full` over the floating-point tensors, and the two
     ratios. The three models must share tensor names and shapes."""
     with RangeReader() as reader:
-        merged, full, base = (read_model(u, reader, r) for u, r in ((merged_uri, "merged"), (full_uri, "full"), (base_uri, "base")))
+        merged, full, base = (
+            read_model(u, reader, r) for u, r in ((merged_uri, "merged"), (full_uri, "full"), (base_uri, "base"))
+        )
         diff_sq, full_sq, delta_sq = [], [], []
         for name in sorted(full.tensors):
             if not DTYPES[full.tensors[name].info.dtype].is_float:
@@ -43,7 +45,11 @@ def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:
             for who in (merged, base):
                 if name not in who.tensors or who.tensors[name].info.shape != full.tensors[name].info.shape:
                     raise BadInput(f"{who.uri}: tensor {name!r} is missing or has another shape than in {full.uri}")
-            for m, f, b in zip(_chunks(merged, name, reader, "merged"), _chunks(full, name, reader, "full"), _chunks(base, name, reader, "base")):
+            for m, f, b in zip(
+                _chunks(merged, name, reader, "merged"),
+                _chunks(full, name, reader, "full"),
+                _chunks(base, name, reader, "base"),
+            ):
                 diff_sq.append(float(((m - f) ** 2).sum()))
                 full_sq.append(float((f**2).sum()))
                 delta_sq.append(float(((f - b) ** 2).sum()))

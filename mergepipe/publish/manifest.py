@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mergepipe import __version__
-from mergepipe.storage.canonical import digest_of
 from mergepipe.errors import BadInput
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
+from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
-from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
 from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
 from mergepipe.storage.reader import read_small_file, stat
 from mergepipe.storage.writer import copy_file, sha256_file, sha256_uri, write_file
 
@@ -84,7 +84,9 @@ def load_manifest(location: str | Path) -> dict:
     """A manifest whose digest matches its content; a hand-edited one is refused."""
     path = manifest_uri(location)
     if stat(path) is None:
-        raise BadInput(f"{path}: no manifest: not a published output (never published, unfinished, or not a mergepipe output)")
+        raise BadInput(
+            f"{path}: no manifest: not a published output (never published, unfinished, or not a mergepipe output)"
+        )
     try:
         manifest = json.loads(read_small_file(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -95,7 +97,9 @@ def load_manifest(location: str | Path) -> dict:
         raise BadInput(f"{path}: unknown manifest format {manifest['content'].get('format')!r}")
     actual = digest_of(manifest["content"])
     if actual != manifest["digest"]:
-        raise BadInput(f"{path}: manifest content does not match its digest (edited by hand?): {actual} != {manifest['digest']}")
+        raise BadInput(
+            f"{path}: manifest content does not match its digest (edited by hand?): {actual} != {manifest['digest']}"
+        )
     return manifest
 
 
@@ -136,7 +140,9 @@ def verify_output(out: str | Path) -> Verification:
         digest, size = found
         result.checked_bytes += size
         if size != entry["size"] or digest != entry["sha256"]:
-            result.fail(f"{path}: sha256 {digest} ({size} bytes) differs from the manifest's {entry['sha256']} ({entry['size']} bytes)")
+            result.fail(
+                f"{path}: sha256 {digest} ({size} bytes) differs from the manifest's {entry['sha256']} ({entry['size']} bytes)"
+            )
     try:
         access = load_access_set(out, manifest)
     except BadInput as err:

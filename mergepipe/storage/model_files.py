@@ -115,10 +115,14 @@ def read_model(uri: str, reader: RangeReader, label: str) -> ModelFiles:
             if t.name in model.tensors:
                 raise BadInput(f"{uri}: tensor {t.name!r} appears in both {model.tensors[t.name].file} and {shard}")
             if weight_map is not None and weight_map.get(t.name) != shard:
-                raise BadInput(f"{model.path(INDEX_FILE)}: tensor {t.name!r} is in {shard} but the weight_map says {weight_map.get(t.name)!r}")
+                raise BadInput(
+                    f"{model.path(INDEX_FILE)}: tensor {t.name!r} is in {shard} but the weight_map says {weight_map.get(t.name)!r}"
+                )
             model.tensors[t.name] = TensorLocation(shard, t)
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(model.tensors))
         if missing:
-            raise BadInput(f"{model.path(INDEX_FILE)}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]}")
+            raise BadInput(
+                f"{model.path(INDEX_FILE)}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]}"
+            )
     return model

@@ -114,7 +114,11 @@ class RangeReader:
         for k, req in enumerate(requests):
             bufs = fetched[k] if is_remote(req.path) else self._pread_all(req.path, req.ranges)
             self.ledger.add(
-                req.role, req.model, req.file, sum(len(b) for b in bufs), requests=sum(1 for s, e in req.ranges if e > s)
+                req.role,
+                req.model,
+                req.file,
+                sum(len(b) for b in bufs),
+                requests=sum(1 for s, e in req.ranges if e > s),
             )
             out.append(bufs)
         return out

@@ -40,8 +40,15 @@ class ShortRead(OSError):
 
 # errno values s3fs gives to S3 errors that a retry cannot fix (bad request, too large,
 # redirect, not allowed, …); 5xx and throttling map to EBUSY/EREMOTEIO and stay retryable.
-_PERMANENT_ERRNOS = {errno.EINVAL, errno.ENAMETOOLONG, errno.EMSGSIZE, errno.ENOSYS, errno.EPERM,
-                     errno.ENOTEMPTY, getattr(errno, "EREMCHG", errno.ENOENT)}
+_PERMANENT_ERRNOS = {
+    errno.EINVAL,
+    errno.ENAMETOOLONG,
+    errno.EMSGSIZE,
+    errno.ENOSYS,
+    errno.EPERM,
+    errno.ENOTEMPTY,
+    getattr(errno, "EREMCHG", errno.ENOENT),
+}
 
 
 def _botocore_permanent(exc: BaseException) -> bool:
@@ -56,8 +63,9 @@ def _botocore_permanent(exc: BaseException) -> bool:
 
 
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                        NotADirectoryError, BadInput)):
+    if isinstance(
+        exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError, BadInput)
+    ):
         return False
     if isinstance(exc, OSError) and exc.errno in _PERMANENT_ERRNOS:
         return False
@@ -116,8 +124,11 @@ def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
         if not todo:
             break
         got = fs.cat_ranges(
-            [fs_path(items[i][0]) for i in todo], [items[i][1] for i in todo], [items[i][2] for i in todo],
-            on_error="return", batch_size=CONCURRENCY,
+            [fs_path(items[i][0]) for i in todo],
+            [items[i][1] for i in todo],
+            [items[i][2] for i in todo],
+            on_error="return",
+            batch_size=CONCURRENCY,
         )
         failed = []
         for i, data in zip(todo, got):

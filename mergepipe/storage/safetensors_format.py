@@ -114,7 +114,9 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
         if not isinstance(dtype, str) or dtype not in DTYPES:
             raise BadInput(f"{where}: unsupported dtype {dtype!r}")
         shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
+        ):
             raise BadInput(f"{where}: shape must be a list of non-negative integers")
         if (
             not isinstance(offsets, list)

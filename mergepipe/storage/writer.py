@@ -17,9 +17,9 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from mergepipe.storage.canonical import digest_of
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage import remote
+from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import inside, is_remote, join, normalize
 from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
@@ -104,7 +104,9 @@ def staging_dir(out: str, key: str, spool: Path | None = None) -> Path:
     return Path(out).parent / f".{Path(out).name}{STAGING_MARK}{key[:16]}"
 
 
-def open_staging(out: str, key: str, shards: list[tuple[str, bytes, int]], spool: Path | None = None) -> tuple[Path, bool]:
+def open_staging(
+    out: str, key: str, shards: list[tuple[str, bytes, int]], spool: Path | None = None
+) -> tuple[Path, bool]:
     """The staging folder with every shard (name, header, size) in place. An existing folder
     whose shards have their sizes and headers is kept (True: a resumed merge); anything else
     there is wiped and the shards are created afresh."""
@@ -184,7 +186,9 @@ def write_at(path: Path, offset: int, data: bytes | memoryview, ledger: ByteLedg
         finally:
             os.close(fd)
     except OSError as err:
-        raise MergepipeError(f"{path}: cannot write {len(data)} bytes at offset {offset} ({err.strerror or err})") from err
+        raise MergepipeError(
+            f"{path}: cannot write {len(data)} bytes at offset {offset} ({err.strerror or err})"
+        ) from err
     ledger.add("output", model, path.name, len(data))
 
 
@@ -269,7 +273,9 @@ def upload_order(names: list[str]) -> list[str]:
     return shards + [n for n in rest if n not in shards] + ([MANIFEST_FILE] if MANIFEST_FILE in names else [])
 
 
-def _upload(staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None) -> None:
+def _upload(
+    staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None
+) -> None:
     names = sorted(p.name for p in staging.iterdir())
     if MANIFEST_FILE not in names:
         raise MergepipeError(f"{staging}: no manifest staged; not publishing")

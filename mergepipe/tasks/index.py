@@ -33,7 +33,11 @@ def look_up_family(family: Family, block_size: int, catalog: Path) -> tuple[set[
     with db.connect(catalog) as con:
         known = ingest.indexed_experts(con, family.base_fp, family.expert_fps(), block_size)
         fps = [family.base_fp, *family.expert_fps()]
-        return known, ingest.content_digests(con, fps), not ingest.missing_base_energies(con, family.base_fp, block_size)
+        return (
+            known,
+            ingest.content_digests(con, fps),
+            not ingest.missing_base_energies(con, family.base_fp, block_size),
+        )
 
 
 def stats_cache_key(context, parameters: dict) -> str:
@@ -61,8 +65,18 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 
 
 @task(name="ingest-block-stats", cache_policy=NO_CACHE)
-def ingest_block_stats(family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: Path) -> None:
+def ingest_block_stats(
+    family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: Path
+) -> None:
     with db.connect(catalog) as con:
         fps = family.expert_fps()
-        ingest.ingest_stats(con, family.base_fp, block_size, [fps[i] for i in positions], result.stats, result.blocks,
-                            result.content, *model_tables([family.base, *family.experts]))
+        ingest.ingest_stats(
+            con,
+            family.base_fp,
+            block_size,
+            [fps[i] for i in positions],
+            result.stats,
+            result.blocks,
+            result.content,
+            *model_tables([family.base, *family.experts]),
+        )

@@ -57,7 +57,9 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
     plan, layout = saved.load(plan_dir)
     changed = changed_inputs(plan)
     if changed:
-        raise BadInput(f"{changed[0]}: input changed during the merge (its fingerprint differs from the plan's); not publishing")
+        raise BadInput(
+            f"{changed[0]}: input changed during the merge (its fingerprint differs from the plan's); not publishing"
+        )
     writer.clear_group_marks(Path(staging))
     ledger = ByteLedger()
     output = write_output_files(plan, layout, Path(staging), ledger)

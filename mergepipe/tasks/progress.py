@@ -65,8 +65,12 @@ class RichReporter:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self._progress = Progress(
-            TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[detail]}"),
-            TimeRemainingColumn(), transient=True, console=Console(stderr=True),
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[detail]}"),
+            TimeRemainingColumn(),
+            transient=True,
+            console=Console(stderr=True),
         )
         self._tasks: dict[str, tuple[int, str, float]] = {}
         self._lock = threading.Lock()
