@@ -2,7 +2,7 @@
 process, calling the same flow and task functions without Prefect.
 
 Prefect 3 has no serverless mode: with no PREFECT_API_URL it starts a temporary API server in
-every process, 8 to 12 s here, which was most of the time of a small merge. So with no API
+every process, which takes longer than a small merge (docs/benchmarks.md, fixed costs). So with no API
 configured, mergepipe runs a flow's plain function (Prefect keeps it as `.fn`) and calls each
 task's plain function with the same retry rule. What Prefect adds is then absent: the UI's
 runs and artifacts, and the task result cache. A killed merge still resumes: finished layer

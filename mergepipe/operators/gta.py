@@ -231,14 +231,13 @@ class GeneralizedTaskArithmetic(Operator):
 # rank within rows or over the whole tensor twice).
 SLAB_KEEPS = {magnitude: MagnitudeKeep, dare: RandomKeep}
 
-# Sparsified deltas of one tensor kept between the sign election and the sum (per task): the
-# layers' tensors fit, a 136M-element embedding with 8 experts (4.4 GB) does not.
+# Sparsified deltas of one tensor kept between the sign election and the sum (per task): a
+# layer's tensors fit, an embedding with several experts does not.
 HELD_DELTA_BYTES = 512 << 20
 
 # Elements per step of the weighted sum over planned rows. Whole-tensor operations each stream
-# the tensor through memory (convert, subtract, scale, add: about 38 bytes per element); in steps
-# this size the operands stay in the CPU cache, which measured 8x faster on a 136M-element
-# embedding, with the same element operations in the same order.
+# the tensor through memory (convert, subtract, scale, add); in steps this size the operands stay
+# in the CPU cache, with the same element operations in the same order.
 ROW_STEP_ELEMENTS = 1 << 18
 
 

@@ -3,7 +3,7 @@ gta.py, bit for bit, in a fraction of its memory traffic.
 
 The whole-tensor form streams each expert's delta through memory some thirty times (subtract,
 abs, compare, count, mask, scale, elect, sum), every step into a fresh tensor-sized buffer; on
-a 136M-element embedding with 8 experts that took a minute. Here an expert's delta is computed
+an embedding with many experts that was most of a merge's time. Here an expert's delta is computed
 for one slab of rows at a time, from the base and the expert's planned rows, and used while it
 is in the CPU cache. What spans the whole tensor is gathered first, in passes of its own:
 TIES's magnitude threshold (an exact radix selection on the bit patterns of |delta|) and the
@@ -488,8 +488,7 @@ class SlabMerge:
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
         untouched = 0.0 * params["lambda"] if math.isfinite(params["lambda"]) else None
         # The sums, the agreement mask and the rounded result reuse five buffers: fresh
-        # slab-sized tensors for each slab cost more than the arithmetic on them (a K = 8
-        # slab: 15.4 ms against 6.8 ms).
+        # slab-sized tensors for each slab cost more than the arithmetic on them.
         width = deltas.width
         buffers = torch.empty(5, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=torch.float32)
         for slab in self.slabs:

@@ -1,4 +1,4 @@
-"""Sparsifiers of a task vector, mergekit 0.1.5's four (refs/mergekit.md §4.1): magnitude top-k
+"""Sparsifiers of a task vector, mergekit 0.1.5's four: magnitude top-k
 (TIES), Bernoulli drop (DARE), magnitude outliers (breadcrumbs) and rank-weighted Bernoulli
 drop (DELLA), each optionally rescaled to the unpruned L1 norm.
 
@@ -39,7 +39,7 @@ def rescale_factor(n_orig: float, n_pruned: float, dtype: torch.dtype) -> torch.
 
 def _masked(tau: torch.Tensor, keep: torch.Tensor, rescale: bool) -> torch.Tensor:
     """tau * keep. tau is the caller's own fresh delta: without rescaling it is masked in place
-    (the same products; one tensor-sized buffer fewer on a 136M-element embedding)."""
+    (the same products; one tensor-sized buffer fewer)."""
     if rescale:
         return l1_rescale(tau, tau * keep.to(tau.dtype))
     return tau.mul_(keep)
@@ -63,11 +63,11 @@ _BRACKET_SAMPLE = 1 << 16
 def _order_statistic(values: torch.Tensor, k: int) -> torch.Tensor:
     """The k-th smallest value (1-based) of a flat tensor, exactly as torch.kthvalue gives it.
 
-    kthvalue copies the whole tensor with an int64 index and partitions it on one core (2.2 s for
-    a 136M-element embedding). Here a strided sample brackets the answer, two counts confirm that
-    the bracket holds the k-th value, and kthvalue runs on the bracket's elements alone (0.4 s).
-    A bracket that misses (unusual orderings, NaN) falls back to the whole tensor. (numpy's
-    partition was tried too: ten times slower when many values are equal, as bf16 deltas' zeros.)"""
+    kthvalue copies the whole tensor with an int64 index and partitions it on one core, slow on
+    an embedding. Here a strided sample brackets the answer, two counts confirm that the bracket
+    holds the k-th value, and kthvalue runs on the bracket's elements alone. A bracket that
+    misses (unusual orderings, NaN) falls back to the whole tensor. (numpy's partition was tried
+    too: far slower when many values are equal, as bf16 deltas' zeros are.)"""
     n = values.numel()
     if n <= 4 * _BRACKET_SAMPLE:
         return torch.kthvalue(values, k).values
