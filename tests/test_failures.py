@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 
 from mergepipe.errors import MergepipeError
-from mergepipe.flows import common
+from mergepipe.flows import executor
 from mergepipe.flows.merge import merge
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.writer import write_at
-from mergepipe.tasks import merge_tasks
+from mergepipe.tasks import merge as merge_tasks
 
 from .helpers import config_for
 
@@ -29,7 +29,7 @@ def _flaky(monkeypatch, failures: int, group: str = "layer.00001"):
 
     monkeypatch.setattr(merge_tasks, "merge_group", sometimes)
     monkeypatch.setattr(
-        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
+        executor, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
     )
     return calls
 
@@ -82,7 +82,7 @@ def _failing_reads(monkeypatch, victim: Path, failures: int):
 
     monkeypatch.setattr(os, "preadv", preadv)
     monkeypatch.setattr(
-        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=2, retry_delay_seconds=0)
+        executor, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=2, retry_delay_seconds=0)
     )
     return calls
 
@@ -130,7 +130,7 @@ def test_a_disk_that_fills_during_the_merge_fails_cleanly(bf16_family, tmp_path,
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     monkeypatch.setattr(os, "pwrite", pwrite)
     monkeypatch.setattr(
-        common, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
+        executor, "merge_layer_group", merge_tasks.merge_layer_group.with_options(retries=1, retry_delay_seconds=0)
     )
     with pytest.raises(
         MergepipeError,
