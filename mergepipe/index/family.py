@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles, read_model
@@ -17,10 +18,6 @@ def model_fingerprint(model: ModelFiles) -> str:
     It keys cached statistics; content digests (SHA-256 of the tensor bytes) identify inputs
     in plans and manifests."""
     return digest_of({"uri": model.uri, "files": {s: fp.as_json() for s, fp in sorted(model.fingerprints.items())}})
-
-
-def expert_label(i: int) -> str:
-    return f"expert-{i}"
 
 
 @dataclass

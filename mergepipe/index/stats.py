@@ -24,9 +24,10 @@ import pyarrow.compute as pc
 import torch
 import xxhash
 
+from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
-from mergepipe.index.family import Family, expert_label
+from mergepipe.index.family import Family
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest

@@ -83,11 +83,14 @@ class MergeParams:
 
         return cls(n_experts, freeze(values), None if base is None else freeze(base))
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", dict(self.values))  # slab loops look values up often
+
     def __getitem__(self, name: str) -> Any:
-        for k, v in self.values:
-            if k == name:
-                return v
-        raise KeyError(f"parameter {name!r} was not resolved for this operator")
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"parameter {name!r} was not resolved for this operator") from None
 
     def base_value(self, name: str) -> Any:
         """The base's own value of a per-model parameter; None when the base is not an input."""

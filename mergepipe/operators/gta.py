@@ -89,7 +89,7 @@ class GeneralizedTaskArithmetic(Operator):
         self.name, self.sparsify, self.consensus = name, sparsify, consensus
         self.parameters = (*per_model, LAMBDA, flag("normalize", normalize), flag("rescale", rescale), INT8_MASK)
         self.expert_passes = 2 if consensus else 1  # a sign election, then the accumulation
-        # The error bound of DESIGN.md holds only when the result is linear in each delta with
+        # The plan's error bound (README, "Operators and budgets") holds only when the result is linear in each delta with
         # fixed coefficients: no sparsification, no sign election.
         self.additive = sparsify is no_sparsify and not consensus
 

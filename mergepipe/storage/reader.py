@@ -2,7 +2,7 @@
 
 Local files are read with os.preadv into preallocated buffers after
 posix_fadvise(POSIX_FADV_RANDOM): mmap page faults and sequential read() calls let the kernel's
-read-ahead pull in megabytes nobody planned (DESIGN.md, byte ledger). Reading ahead is asked for
+read-ahead pull in megabytes nobody planned. Reading ahead is asked for
 explicitly instead (prefetch: POSIX_FADV_WILLNEED on exactly the planned ranges). Remote objects are read
 with one ranged GET per range (storage.remote); both count into the same ledger.
 """

@@ -128,7 +128,7 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
         start, end = data_start + offsets[0], data_start + offsets[1]
         if end > file_size:
             raise BadInput(f"{where}: data_offsets {offsets} run past the end of the file ({file_size} bytes)")
-        expected = math.prod(shape) * DTYPES[dtype].itemsize
+        expected = tensor_nbytes(dtype, tuple(shape))
         if end - start != expected:
             raise BadInput(f"{where}: data_offsets cover {end - start} bytes but {dtype} {shape} needs {expected}")
         tensors.append(TensorInfo(name, dtype, tuple(shape), start, end))
