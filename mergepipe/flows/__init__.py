@@ -1,1 +1,2 @@
-"""Prefect flows: index_family, merge, replay. Thin: they sequence tasks and add up ledgers."""
+"""Prefect flows that compose the tasks (index_family, plan and merge, replay, budget_sweep), where
+they run (in process or as flow runs; threads or Dask), the deployments and the artifacts."""

@@ -1,4 +1,5 @@
-"""Prefect tasks: thin wrappers around plain functions; retries and cache keys live here."""
+"""Prefect tasks: thin wrappers over the stages' plain functions; retries, cache keys and task-run
+names live here, and the progress reporting that tasks and flows share."""
 
 from __future__ import annotations
 
