@@ -182,6 +182,12 @@ def test_storage_options_are_never_shown(tmp_path):
     assert spec.storage_options["secret"] == "hush-hush-123"
     assert "hush-hush-123" not in repr(spec) and "hush-hush-123" not in str(spec)
     assert "storage_options" not in json.dumps(spec.content())
+    # A Dask worker reads only this key of the config the flow validated (no second validation).
+    from mergepipe.config.spec import storage_options_of
+
+    assert storage_options_of(cfg) == {"key": "AKIAX", "secret": "hush-hush-123"}
+    cfg.write_text("merge_method: linear\nbase_model: b\nmodels: [{model: x}]\n")
+    assert storage_options_of(cfg) == {}
 
 
 @pytest.mark.parametrize("step", [5, 1 << 18])

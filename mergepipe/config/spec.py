@@ -344,6 +344,14 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
     )
 
 
+def storage_options_of(path: str | Path) -> dict[str, Any]:
+    """The storage_options of a config that a flow has validated already, for a process that has
+    not loaded it (a Dask worker): only that key is read, nothing is validated again."""
+    data = read_config(path)
+    options = data.get("storage_options") if isinstance(data, dict) else None
+    return dict(options) if isinstance(options, dict) else {}
+
+
 def check_parameters(spec: MergeSpec) -> None:
     """What can be checked before the tensor names are known: the model count, and that every
     parameter given is one the operator declares (mergekit ignores the others), per model where

@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 
 from mergepipe.catalog import db, records
 from mergepipe.config.environment import spool_dir
-from mergepipe.config.spec import load_spec
+from mergepipe.config.spec import storage_options_of
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import merge_group
 from mergepipe.plan import saved
@@ -41,9 +41,9 @@ def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str
     the result from the mark (execute.group.finished_group) instead of running the group again.
 
     `options_from`: the config whose storage_options this process needs (a Dask worker has
-    not loaded it); its path travels, never the options. Read once per process."""
+    not loaded it); its path travels, never the options. Read once per process, and only that key."""
     if options_from is not None and not storage_options_set():
-        set_storage_options(load_spec(options_from).storage_options)
+        set_storage_options(storage_options_of(options_from))
     plan, layout = saved.load(plan_dir)
     result = {**merge_group(plan, layout, group, Path(staging)), "worker": f"{socket.gethostname()}:{os.getpid()}"}
     writer.mark_group_done(Path(staging), group, result)
