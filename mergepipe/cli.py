@@ -34,6 +34,12 @@ err_console = Console(stderr=True, soft_wrap=True)
 
 CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
+BudgetOpt = typer.Option(
+    None, help="Expert bytes to read, always with a unit: a share (10%) or bytes (512MiB, 2GB, 4096B)."
+)
+AllowEmptyOpt = typer.Option(
+    False, "--allow-empty", help="Merge even when the budget admits no expert block (the output is then the base)."
+)
 RunnerOpt = typer.Option("thread", "--runner", help="Where layer tasks run: thread, or dask.")
 DaskAddressOpt = typer.Option(
     None, "--dask-address", help="Scheduler of an existing Dask cluster (with --runner dask); default: a local cluster."
@@ -161,21 +167,25 @@ def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json
 @app.command()
 def plan(
     config: str = ConfigArg,
-    budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
+    budget: Optional[str] = BudgetOpt,
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
+    allow_empty: bool = AllowEmptyOpt,
     catalog: Optional[Path] = CatalogOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
 
     def go() -> dict:
-        _request(config, budget=budget, max_error=max_error, catalog=_catalog(catalog))
+        args = dict(budget=budget, max_error=max_error, catalog=_catalog(catalog), allow_empty=allow_empty)
+        _request(config, **args)
         from mergepipe.flows.merge import plan as plan_flow
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(plan_flow, config=str(config), budget=budget, max_error=max_error, catalog=_catalog(catalog))
+        return run_flow(plan_flow, config=str(config), **args)
 
     result = run_command(go)
+    for warning in result["warnings"]:
+        err_console.print(f"[yellow]warning:[/yellow] {escape(warning)}", highlight=False)
     if as_json:
         _print_json(result)
         return
@@ -199,9 +209,10 @@ def plan(
 def merge(
     config: str = ConfigArg,
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix (published atomically)."),
-    budget: Optional[str] = typer.Option(None, help="Expert bytes to read: 512MiB, 2GB, or a share: 10%."),
+    budget: Optional[str] = BudgetOpt,
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    allow_empty: bool = AllowEmptyOpt,
     catalog: Optional[Path] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
@@ -218,6 +229,7 @@ def merge(
             catalog=_catalog(catalog),
             runner=runner,
             dask_address=dask_address,
+            allow_empty=allow_empty,
         )
         _request(config, **args)
         from mergepipe.flows.merge import merge as merge_flow

@@ -259,6 +259,16 @@ def budget_negative(fam, cfg):
     return "budget"
 
 
+def budget_without_unit(fam, cfg):
+    _edit_config(cfg, budget=25)
+    return "budget: 25 has no unit; write 25%"
+
+
+def budget_admits_no_block(fam, cfg):
+    _edit_config(cfg, budget="0%")
+    return "budget: 0% (0 bytes) admits no expert block"
+
+
 def budget_over_100_percent(fam, cfg):
     _edit_config(cfg, budget="150%")
     return "budget"
@@ -367,6 +377,8 @@ CASES = [
     nan_in_delta,
     inf_in_delta,
     budget_negative,
+    budget_without_unit,
+    budget_admits_no_block,
     budget_over_100_percent,
     budget_not_a_size,
     unknown_operator,

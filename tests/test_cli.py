@@ -209,3 +209,43 @@ def test_sweep_reports_bytes_bound_and_measured_deviation(bf16_family, tmp_path,
     assert bad.exit_code == 2 and "--budgets" in bad.output
     taken = runner.invoke(app, ["sweep", str(cfg), "--out", str(out), "--budgets", "10%", "--catalog", session_catalog])
     assert taken.exit_code == 2 and "budget-10pct" in taken.output and "already exists" in taken.output
+
+
+def test_a_budget_needs_a_unit_and_room_for_a_block(bf16_family, tmp_path, session_catalog):
+    """A bare number is refused with the units it could mean (it once meant bytes, read nothing
+    and published the base); a budget that admits no expert block is refused by a merge and only
+    warned about by `plan`, unless --allow-empty asks for the base."""
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    out = tmp_path / "out"
+    bare = runner.invoke(app, ["merge", str(cfg), "--out", str(out), "--budget", "25", "--catalog", session_catalog])
+    assert bare.exit_code == 2 and "25%" in bare.output and "25MiB" in bare.output and not out.exists(), bare.output
+    in_bytes = runner.invoke(app, ["plan", str(cfg), "--budget", "4096B", "--json", "--catalog", session_catalog])
+    assert in_bytes.exit_code == 0 and json.loads(in_bytes.stdout)["budget_bytes"] == 4096, in_bytes.output
+    for budget in ("0%", "1B"):
+        empty = runner.invoke(
+            app, ["merge", str(cfg), "--out", str(out), "--budget", budget, "--catalog", session_catalog]
+        )
+        assert empty.exit_code == 2 and "admits no expert block" in empty.output and not out.exists(), empty.output
+    warned = runner.invoke(app, ["plan", str(cfg), "--budget", "0%", "--json", "--catalog", session_catalog])
+    assert warned.exit_code == 0, warned.output
+    assert "warning:" in warned.output and json.loads(warned.stdout)["warnings"][0].startswith("budget: 0%")
+    allowed = runner.invoke(
+        app,
+        [
+            "merge",
+            str(cfg),
+            "--out",
+            str(out),
+            "--budget",
+            "0%",
+            "--allow-empty",
+            "--json",
+            "--catalog",
+            session_catalog,
+        ],
+    )
+    assert allowed.exit_code == 0, allowed.output
+    assert json.loads(allowed.stdout)["expert_bytes_read"] == 0
+    cfg.write_text(cfg.read_text() + "budget: 25\n")
+    in_yaml = runner.invoke(app, ["plan", str(cfg), "--catalog", session_catalog])
+    assert in_yaml.exit_code == 2 and "budget: 25 has no unit" in in_yaml.output, in_yaml.output

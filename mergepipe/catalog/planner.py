@@ -106,6 +106,11 @@ def nonfinite_candidates(con: duckdb.DuckDBPyConnection) -> tuple[tuple[int, str
     return (first[0] if first else None), n, omitted, nbytes
 
 
+def smallest_candidate(con: duckdb.DuckDBPyConnection) -> int | None:
+    """Bytes of the smallest pair worth reading (None: no candidate at all)."""
+    return con.execute("SELECT min(bytes) FROM plan_candidates").fetchall()[0][0]
+
+
 def selected_pairs(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(
         "SELECT expert, tensor, block, row_start, row_end, bytes, score FROM plan_candidates "

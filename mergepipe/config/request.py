@@ -78,10 +78,11 @@ def build_request(
     runner: str = "thread",
     dask_address: str | None = None,
     run_date: date | datetime | None = None,
+    allow_empty: bool = False,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). `budget` or `max_error` replaces the
-    config's. With `out`, the destination is checked (not existing unless `overwrite`, not
+    config's; `allow_empty` (--allow-empty) sets the config's allow_empty. With `out`, the destination is checked (not existing unless `overwrite`, not
     overlapping an input) after the config's storage options are applied to this process."""
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
@@ -97,6 +98,8 @@ def build_request(
             overrides = {"budget": budget, "max_error": None}
         elif max_error is not None:
             overrides = {"budget": None, "max_error": max_error}
+        if allow_empty:
+            overrides["allow_empty"] = True
         # Read with the environment's credentials, not options a previous run in this process left.
         set_storage_options(None)
         spec, location = load_spec(config, overrides), str(config)

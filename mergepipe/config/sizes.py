@@ -1,4 +1,5 @@
-"""Parsing of byte sizes and budgets ("512MiB", "5GB", "10%", 1048576)."""
+"""Parsing of byte sizes ("512MiB", "5GB", 1048576) and budgets ("10%", "512MiB", "4096B": a
+budget always has a unit)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ _UNITS = {
     "T": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_BARE = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
 
 
@@ -88,4 +90,12 @@ def parse_budget(value: str | int | float | None, *, key: str = "budget") -> Bud
             raise BadInput(f"{key}: budget must not be negative, got {value!r}")
     if isinstance(value, float) and not isinstance(value, bool):
         raise BadInput(f"{key}: give a size (512MiB) or a percentage (10%), got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+        raise BadInput(f"{key}: budget must not be negative, got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) or (isinstance(value, str) and _BARE.match(value)):
+        # A bare 25 read as 25 bytes plans nothing and publishes the base: always say the unit.
+        raise BadInput(
+            f"{key}: {value!r} has no unit; write {value}% for a share of the expert bytes, "
+            f"or {value}MiB (or {value}B) for bytes"
+        )
     return Budget("bytes", float(parse_size(value, key=key)))

@@ -134,6 +134,9 @@ class MergeSpec(_Strict):
     # Merge experts whose deltas hold NaN or Inf (refused by default). Their blocks are always
     # read, whatever the budget. A permission, not a parameter: it never changes the output.
     allow_nonfinite: bool = False
+    # Merge even when the budget admits no expert block (the output is then the base, cast): a
+    # budget without room for one block is refused by default, as a mistake. A permission too.
+    allow_empty: bool = False
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -239,10 +242,10 @@ class MergeSpec(_Strict):
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
-        no storage options (they may hold credentials), no allow_nonfinite or tokenizer_source
-        (they change no byte: the base's tokenizer files are copied either way). rank_by enters
+        no storage options (they may hold credentials), no allow_nonfinite, allow_empty or
+        tokenizer_source (they change no byte: the base's tokenizer files are copied either way). rank_by enters
         only when it is not the default, so digests from before it existed still hold."""
-        exclude = {"storage_options", "allow_nonfinite", "tokenizer_source"} | (
+        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "tokenizer_source"} | (
             {"rank_by"} if self.rank_by == "delta" else set()
         )
         data = self.model_dump(by_alias=True, exclude=exclude)

@@ -24,11 +24,20 @@ def scheduled_date():
 
 
 @flow(name="plan-merge")
-def plan(config: str, budget: str | None = None, max_error: float | None = None, catalog: str | None = None) -> dict:
-    request = build_request(config, budget=budget, max_error=max_error, catalog=catalog)
+def plan(
+    config: str,
+    budget: str | None = None,
+    max_error: float | None = None,
+    catalog: str | None = None,
+    allow_empty: bool = False,
+) -> dict:
+    """A budget that admits no expert block is a warning here (a merge refuses it)."""
+    request = build_request(config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty)
     outcome = run_index(request.spec, request.catalog)
-    p, explain, plan_dir = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
-    result = plan_result(p, request.spec, explain, plan_dir)
+    p, explain, plan_dir, warnings = run_task(
+        plan_merge, request.spec, outcome.family, outcome.content, request.catalog, refuse_empty=False
+    )
+    result = {**plan_result(p, request.spec, explain, plan_dir), "warnings": warnings}
     plan_artifact(result)
     return result
 
@@ -61,9 +70,11 @@ def merge(
     catalog: str | None = None,
     runner: str = "thread",
     dask_address: str | None = None,
+    allow_empty: bool = False,
 ) -> dict:
     """runner: "thread" (the flow's thread pool) or "dask" (layer groups on the Dask cluster at
-    dask_address, or on a local cluster). `{date}` in out becomes the run's scheduled date."""
+    dask_address, or on a local cluster). `{date}` in out becomes the run's scheduled date.
+    allow_empty: merge even when the budget admits no expert block (the output is the base)."""
     t0 = time.perf_counter()
     started = now()
     request = build_request(
@@ -76,10 +87,11 @@ def merge(
         runner=runner,
         dask_address=dask_address,
         run_date=scheduled_date() if "{date}" in out else None,
+        allow_empty=allow_empty,
     )
     outcome = run_index(request.spec, request.catalog)
     t_plan = time.perf_counter()
-    p, explain, plan_dir = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
+    p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
     plan_artifact(plan_result(p, request.spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
     return execute_plan(Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0))

@@ -33,8 +33,24 @@ def check_nonfinite(
         )
 
 
-def choose_plan(spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path) -> tuple[Plan, list[dict]]:
-    """The plan and its explain rows (per layer and expert: bytes selected, energy captured)."""
+def empty_plan_problem(spec: MergeSpec, budget_bytes: int, smallest: int | None, n_candidates: int) -> str | None:
+    """What is wrong with a byte budget that admits no expert block while some are worth
+    reading (the merge would publish the base): None when it admits one, or allow_empty."""
+    if spec.allow_empty or spec.max_error is not None or smallest is None:
+        return None
+    return (
+        f"budget: {spec.budget_label} ({budget_bytes} bytes) admits no expert block (the smallest of the "
+        f"{n_candidates} blocks worth reading takes {smallest} bytes), so the merge would only copy the base; "
+        "raise the budget, or pass --allow-empty (allow_empty: true) to merge anyway"
+    )
+
+
+def choose_plan(
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, *, refuse_empty: bool = True
+) -> tuple[Plan, list[dict], list[str]]:
+    """The plan, its explain rows (per layer and expert: bytes selected, energy captured) and its
+    warnings. A byte budget that admits no expert block is refused (refuse_empty, as a merge
+    does) or only warned about (as `plan` does), unless the spec allows it."""
     op = get_operator(spec.merge_method)
     table = resolve_tensor_params(spec, family.base.tensors)
     per_set = [op.coefficients(p) for p in table.sets]
@@ -58,6 +74,14 @@ def choose_plan(spec: MergeSpec, family: Family, content: dict[str, str], catalo
             planner.select_within_bytes(con, budget_bytes)
         check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
         access = planner.selected_pairs(con)
+        warnings = []
+        problem = (
+            empty_plan_problem(spec, budget_bytes, planner.smallest_candidate(con), n) if not access.num_rows else None
+        )
+        if problem and refuse_empty:
+            raise BadInput(problem)
+        if problem:
+            warnings.append(problem)
         plan = build_plan(
             spec,
             family,
@@ -101,4 +125,4 @@ def choose_plan(spec: MergeSpec, family: Family, content: dict[str, str], catalo
             access.select(["expert", "tensor", "block", "bytes", "score"]),
         )
         explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
-    return plan, explain
+    return plan, explain, warnings

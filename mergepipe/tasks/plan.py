@@ -16,7 +16,9 @@ from mergepipe.plan.record import Plan
 
 
 @task(name="plan-merge", cache_policy=NO_CACHE)
-def plan_merge(spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path) -> tuple[Plan, list[dict], str]:
-    """Returns the plan, its explain rows, and the folder it was saved in."""
-    plan, explain = choose_plan(spec, family, content, catalog)
-    return plan, explain, saved.save(plan, plans_root())
+def plan_merge(
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, refuse_empty: bool = True
+) -> tuple[Plan, list[dict], str, list[str]]:
+    """Returns the plan, its explain rows, the folder it was saved in, and its warnings."""
+    plan, explain, warnings = choose_plan(spec, family, content, catalog, refuse_empty=refuse_empty)
+    return plan, explain, saved.save(plan, plans_root()), warnings
