@@ -299,6 +299,21 @@ def unknown_yaml_key(fam, cfg):
     return "merge_methd: unknown key"
 
 
+def misspelled_required_key(fam, cfg):
+    import yaml
+
+    doc = yaml.safe_load(cfg.read_text())
+    doc["merge_methd"] = doc.pop("merge_method")
+    cfg.write_text(yaml.safe_dump(doc))
+    return "merge_methd: unknown key (did you mean merge_method?)"
+
+
+def safetensors_file_as_base(fam, cfg):
+    shard = sorted(fam.base.glob("*.safetensors"))[0]
+    _edit_config(cfg, base_model=str(shard))
+    return "is a .safetensors file; a model location is a folder"
+
+
 def empty_expert_list(fam, cfg):
     _edit_config(cfg, models=[])
     return "models"
@@ -385,6 +400,8 @@ CASES = [
     unknown_parameter,
     density_outside_range,
     unknown_yaml_key,
+    misspelled_required_key,
+    safetensors_file_as_base,
     empty_expert_list,
     config_not_yaml,
     config_not_a_mapping,

@@ -9,6 +9,7 @@ Sizes and the budget are parsed once, at validation.
 
 from __future__ import annotations
 
+import difflib
 import keyword
 from pathlib import Path
 from typing import Any, Literal
@@ -30,6 +31,7 @@ from mergepipe.config.sizes import Budget, parse_budget, parse_size
 from mergepipe.errors import BadInput
 from mergepipe.operators import OPERATORS, declared_parameters, get_operator
 from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.model_files import INDEX_FILE, SINGLE_FILE
 from mergepipe.storage.reader import read_small_file, stat
 
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
@@ -268,12 +270,31 @@ class MergeSpec(_Strict):
         return self.model_dump(by_alias=True, exclude={"storage_options"})
 
 
+def _keys_at(loc: tuple) -> list[str]:
+    """The keys a config may hold where `loc` points (the model at the location's parent)."""
+    model: type[BaseModel] | None = MergeSpec
+    for part in loc[:-1]:
+        if isinstance(part, int) or model is None:
+            continue
+        field = model.model_fields.get(str(part))
+        annotation = getattr(field, "annotation", None)
+        inner = getattr(annotation, "__args__", (annotation,))[0] if annotation is not None else None
+        model = inner if isinstance(inner, type) and issubclass(inner, BaseModel) else None
+    if model is None:
+        return []
+    return [f.alias or name for name, f in model.model_fields.items()]
+
+
 def _format_error(err: ValidationError, source: str) -> str:
-    first = err.errors()[0]
+    """One line for the first problem; an unknown key comes before a missing one (a misspelled
+    required key is both), with the closest known key."""
+    errors = err.errors()
+    first = next((e for e in errors if e["type"] == "extra_forbidden"), errors[0])
     loc = ".".join(str(p) for p in first["loc"]) or "(top level)"
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
-        msg = "unknown key"
+        close = difflib.get_close_matches(str(first["loc"][-1]), _keys_at(first["loc"]), n=1, cutoff=0.6)
+        msg = "unknown key" + (f" (did you mean {close[0]}?)" if close else "")
     elif first["type"] == "missing":
         msg = "required key is missing"
     return f"{source}: {loc}: {msg}"
@@ -334,6 +355,11 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         (f"models[{i}].model", m.model) for i, m in enumerate(spec.models)
     ]:
         where = _resolve_location(ref, base_dir)
+        if where.endswith(".safetensors"):
+            raise BadInput(
+                f"{path}: {key}: {ref!r} is a .safetensors file; a model location is a folder (local or s3://) "
+                f"holding {SINGLE_FILE} or {INDEX_FILE} and its shards"
+            )
         if "+" in ref and not is_remote(where) and not Path(where).exists():
             raise BadInput(
                 f"{path}: {key}: {ref!r} is a LoRA reference (model+adapter), which mergepipe does not merge; "
