@@ -429,6 +429,20 @@ def demo(
 
 
 def _run_demo(out: Path, say: Callable[[str], None]) -> dict:
+    """The demo with all of its state in its folder: MERGEPIPE_HOME (saved plans) is `out/home`
+    while it runs, and the catalog is `out/catalog.duckdb`."""
+    before = os.environ.get("MERGEPIPE_HOME")
+    os.environ["MERGEPIPE_HOME"] = str(out / "home")
+    try:
+        return _demo_steps(out, say)
+    finally:
+        if before is None:
+            os.environ.pop("MERGEPIPE_HOME", None)
+        else:
+            os.environ["MERGEPIPE_HOME"] = before
+
+
+def _demo_steps(out: Path, say: Callable[[str], None]) -> dict:
     """Index the demo family, plan it at 25%, merge it at 100% and 25%, verify both outputs and
     compare the measured deviation with the bound."""
     from mergepipe.devtools.demo import demo_config
@@ -462,6 +476,11 @@ def _run_demo(out: Path, say: Callable[[str], None]) -> dict:
             f"merge at {budget}: read {r['expert_bytes_read'] / 2**20:.2f} MiB of experts "
             f"(planned {r['expert_bytes_planned'] / 2**20:.2f}), digest {r['digest'][:16]}…, verify {'ok' if v.ok else 'FAILED'}"
         )
+        if budget == "100%" and r["expert_bytes_planned"] < r["full_expert_bytes"]:
+            say(
+                f"  (of {r['full_expert_bytes'] / 2**20:.2f} MiB: blocks whose delta is zero, such as the LoRA "
+                "expert's untouched tensors, change nothing and are never read)"
+            )
     measured = deviation(str(out / "merged-25pct"), str(out / "merged-full"), idx["base"])["deviation"]
     bound = results["25pct"]["error_bound"]
     say(

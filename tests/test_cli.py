@@ -158,9 +158,14 @@ def test_shape_mismatch_via_cli_names_the_tensor_and_shapes(tmp_path):
 
 
 def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
-    """The quick start's main job: build, index, plan, merge at 100% and 25%, verify."""
+    """The quick start's main job: build, index, plan, merge at 100% and 25%, verify; all of its
+    state stays in its folder."""
+    home = Path(os.environ["MERGEPIPE_HOME"])
+    before = sorted(p.relative_to(home) for p in home.rglob("*")) if home.exists() else []
     result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--json"])
     assert result.exit_code == 0, result.output
+    assert (sorted(p.relative_to(home) for p in home.rglob("*")) if home.exists() else []) == before
+    assert os.environ["MERGEPIPE_HOME"] == str(home) and any((tmp_path / "demo" / "home" / "plans").iterdir())
     out = json.loads(result.stdout)  # progress lines go to stderr
     full, part = out["merges"]["full"], out["merges"]["25pct"]
     assert full["verified"] and part["verified"]
@@ -169,6 +174,8 @@ def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
         full["expert_bytes_read"] == full["expert_bytes_planned"] < full["full_expert_bytes"]
     )  # the LoRA's zero blocks
     assert 0 < out["measured_deviation"] <= out["error_bound"]
+    again = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo")])  # the family is reused
+    assert again.exit_code == 0 and "blocks whose delta is zero" in again.output, again.output
 
 
 def test_sweep_reports_bytes_bound_and_measured_deviation(bf16_family, tmp_path, session_catalog):
