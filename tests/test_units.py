@@ -305,3 +305,33 @@ def test_selection_ties_go_to_the_lowest_indices(monkeypatch, chunk):
         want = torch.zeros(n, dtype=torch.bool)
         want[sorted(range(n), key=lambda i: (-abs(float(v[i])), i))[:top]] = True
         assert torch.equal(sparsify.magnitude_keep_mask(v, density), want)
+
+
+@pytest.mark.parametrize("guaranteed", [True, False])
+def test_sweep_plot_marks_a_heuristic_bound_and_shares_its_axes(guaranteed):
+    """The bound of a non-additive operator is drawn dotted and labelled heuristic, never as the
+    guarantee's dashed line; the three panels share one x range and the time axis starts at 0."""
+    from mergepipe.publish.report import sweep_figure
+
+    rows = [
+        {
+            "budget_bytes": b,
+            "full_expert_bytes": 100,
+            "expert_bytes_read": b * 2**20,
+            "wall_seconds": 5 + b / 10,
+            "relative_to_full": 1e-3 / (b + 1),
+            "error_bound": 2e-3 / (b + 1),
+            "full_norm": 1.0,
+            "bound_guaranteed": guaranteed,
+        }
+        for b in (10, 50, 100)
+    ]
+    fig = sweep_figure(rows, "t")
+    a, b, c = fig.axes
+    assert a.get_xlim() == b.get_xlim() == c.get_xlim()
+    assert b.get_ylim()[0] == 0
+    lines = {line.get_label(): line.get_linestyle() for line in c.get_lines()}
+    if guaranteed:
+        assert lines.get("bound") == "--" and "heuristic (not a bound)" not in lines
+    else:
+        assert lines.get("heuristic (not a bound)") == ":" and "bound" not in lines
