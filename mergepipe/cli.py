@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -387,10 +388,36 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
         return
     t = Table()
     for c in cols:
-        t.add_column(c)
+        # Wrapped, never cut: two paths that differ only at their end must stay told apart.
+        t.add_column(c, overflow="fold")
     for r in rows:
         t.add_row(*("" if v is None else str(v) for v in r))
     out_console.print(t)
+
+
+@catalog_app.command("schema")
+def catalog_schema(catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+    """List the catalog's tables and views, their columns, and what each one means."""
+
+    def go():
+        from mergepipe.catalog.records import describe_schema
+        from mergepipe.config.environment import catalog_path
+
+        return describe_schema(catalog_path(catalog))
+
+    relations = run_command(go)
+    if as_json:
+        _print_json(relations)
+        return
+    for rel in relations:
+        out_console.print(f"[bold]{rel['kind']} {rel['name']}[/bold]: {escape(rel['meaning'])}", highlight=False)
+        t = Table(show_header=False, box=None, padding=(0, 1, 0, 2))
+        t.add_column("column", no_wrap=True)
+        t.add_column("type", no_wrap=True, style="dim")
+        t.add_column("meaning", overflow="fold")
+        for col in rel["columns"]:
+            t.add_row(col["name"], col["type"], escape(col["meaning"]))
+        out_console.print(t)
 
 
 @app.command()
@@ -489,8 +516,38 @@ def _demo_steps(out: Path, say: Callable[[str], None]) -> dict:
     return {"out": str(out), "index": idx, "merges": results, "measured_deviation": measured, "error_bound": bound}
 
 
+_exit_code = 0
+
+
+def _leave_without_native_destructors() -> None:
+    """The last exit handler: flush what was printed and end the process with the command's exit
+    code, skipping only the native teardown after it. Native thread pools (DuckDB's, Arrow's)
+    torn down at exit while still joinable aborted commands that had succeeded ("terminate
+    called without an active exception", exit 134). Registered first, so it runs after every
+    handler Python libraries register later (Prefect drains its log and event queues in those)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(_exit_code)
+
+
 def main() -> None:
-    app()
+    """The console script: run the command, then leave through _leave_without_native_destructors."""
+    global _exit_code
+    atexit.register(_leave_without_native_destructors)
+    try:
+        app()
+    except SystemExit as done:
+        code = done.code
+        _exit_code = code if isinstance(code, int) else (0 if code is None else 1)
+        if isinstance(code, str):
+            print(code, file=sys.stderr)
+        raise SystemExit(_exit_code) from None
+    except BaseException:
+        _exit_code = 1
+        raise
 
 
 if __name__ == "__main__":

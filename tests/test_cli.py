@@ -256,3 +256,37 @@ def test_a_budget_needs_a_unit_and_room_for_a_block(bf16_family, tmp_path, sessi
     cfg.write_text(cfg.read_text() + "budget: 25\n")
     in_yaml = runner.invoke(app, ["plan", str(cfg), "--catalog", session_catalog])
     assert in_yaml.exit_code == 2 and "budget: 25 has no unit" in in_yaml.output, in_yaml.output
+
+
+def test_catalog_schema_explains_every_table_view_and_column(bf16_family, tmp_path, session_catalog):
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    assert runner.invoke(app, ["index", str(cfg), "--catalog", session_catalog]).exit_code == 0
+    r = runner.invoke(app, ["catalog", "schema", "--json", "--catalog", session_catalog])
+    assert r.exit_code == 0, r.output
+    relations = json.loads(r.stdout)
+    names = {rel["name"] for rel in relations}
+    assert {
+        "models",
+        "block_stats",
+        "plans",
+        "runs",
+        "delta_energy_by_layer",
+        "changed_tensors",
+        "merge_history",
+    } <= names
+    for rel in relations:
+        assert rel["meaning"], rel["name"]
+        assert rel["columns"] and all(c["meaning"] for c in rel["columns"]), rel["name"]
+    text = runner.invoke(app, ["catalog", "schema", "--catalog", session_catalog], env={"COLUMNS": "80"})
+    assert text.exit_code == 0 and "view merge_history:" in text.output
+    assert max(len(line) for line in text.output.splitlines() if line.startswith("  ")) <= 80
+
+
+def test_catalog_tables_at_80_columns_keep_what_tells_rows_apart(bf16_family, tmp_path, session_catalog):
+    """Long expert paths wrap in a narrow table instead of being cut to identical-looking rows."""
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    assert runner.invoke(app, ["index", str(cfg), "--catalog", session_catalog]).exit_code == 0
+    query = "SELECT expert, tensor, layer, delta_norm, max_abs_delta FROM changed_tensors ORDER BY expert, tensor"
+    r = runner.invoke(app, ["catalog", "sql", query, "--catalog", session_catalog], env={"COLUMNS": "80"})
+    assert r.exit_code == 0, r.output
+    assert "…" not in r.output and max(len(line) for line in r.output.splitlines()) <= 80, r.output

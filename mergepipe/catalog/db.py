@@ -123,3 +123,4 @@ def _ensure_schema(con: duckdb.DuckDBPyConnection, path: Path) -> None:
             raise
     con.execute(sql_text("schema.sql"))
     con.execute("INSERT OR IGNORE INTO catalog_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION])
+    con.execute(sql_text("comments.sql"))

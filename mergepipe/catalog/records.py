@@ -58,6 +58,28 @@ def record_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) ->
         )
 
 
+def describe_schema(path: str | Path) -> list[dict]:
+    """The catalog's tables and views, each with its meaning and its columns (name, type,
+    meaning), from the comments comments.sql sets."""
+    with connect(path, read_only=True) as con:
+        relations = con.execute(
+            "SELECT 'table' AS kind, table_name AS name, coalesce(comment, '') FROM duckdb_tables() WHERE NOT internal "
+            "UNION ALL SELECT 'view', view_name, coalesce(comment, '') FROM duckdb_views() WHERE NOT internal "
+            "ORDER BY 1, 2"
+        ).fetchall()
+        columns = con.execute(
+            "SELECT table_name, column_name, data_type, coalesce(comment, '') FROM duckdb_columns() "
+            "WHERE NOT internal ORDER BY table_name, column_index"
+        ).fetchall()
+    by_relation: dict[str, list[dict]] = {}
+    for relation, name, dtype, meaning in columns:
+        by_relation.setdefault(relation, []).append({"name": name, "type": dtype, "meaning": meaning})
+    return [
+        {"kind": kind, "name": name, "meaning": meaning, "columns": by_relation.get(name, [])}
+        for kind, name, meaning in relations
+    ]
+
+
 def query_readonly(query: str, path: str | Path) -> tuple[list[str], list[tuple]]:
     """Run a query on a read-only connection: the catalog cannot be changed through it. A query
     DuckDB refuses is bad input."""

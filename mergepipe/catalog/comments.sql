@@ -1,0 +1,150 @@
+-- What every table, view and column means: `mergepipe catalog schema` prints these comments.
+-- Run after schema.sql each time the catalog is opened for writing, so they follow the schema.
+COMMENT ON TABLE models IS 'one row per model as found: its location and the fingerprint of its files';
+COMMENT ON COLUMN models.model_fp IS 'fingerprint of the location and its files (changes when a file changes)';
+COMMENT ON COLUMN models.uri IS 'the model folder or s3:// prefix';
+COMMENT ON COLUMN models.content_sha256 IS 'digest of the tensors (names, dtypes, shapes, bytes), wherever they live';
+COMMENT ON COLUMN models.n_tensors IS 'number of tensors';
+COMMENT ON COLUMN models.tensor_bytes IS 'bytes of all tensors';
+COMMENT ON COLUMN models.registered_at IS 'when the model was first recorded';
+
+COMMENT ON TABLE model_files IS 'the safetensors shards of each model and what identifies their content';
+COMMENT ON COLUMN model_files.model_fp IS 'the model (models.model_fp)';
+COMMENT ON COLUMN model_files.file IS 'shard name, relative to the model folder';
+COMMENT ON COLUMN model_files.size IS 'bytes';
+COMMENT ON COLUMN model_files.mtime_ns IS 'modification time (local files)';
+COMMENT ON COLUMN model_files.ctime_ns IS 'status change time (local files)';
+COMMENT ON COLUMN model_files.inode IS 'inode (local files)';
+COMMENT ON COLUMN model_files.header_bytes IS 'bytes of the safetensors header, length prefix included';
+COMMENT ON COLUMN model_files.etag IS 'ETag (objects)';
+COMMENT ON COLUMN model_files.version_id IS 'version id (objects in a versioned bucket)';
+
+COMMENT ON TABLE tensors IS 'every tensor of every model: where its bytes lie';
+COMMENT ON COLUMN tensors.model_fp IS 'the model (models.model_fp)';
+COMMENT ON COLUMN tensors.name IS 'tensor name';
+COMMENT ON COLUMN tensors.file IS 'the shard holding it';
+COMMENT ON COLUMN tensors.dtype IS 'safetensors dtype (BF16, F32, ...)';
+COMMENT ON COLUMN tensors.shape IS 'shape';
+COMMENT ON COLUMN tensors.byte_start IS 'first byte in the shard';
+COMMENT ON COLUMN tensors.byte_end IS 'one past the last byte';
+COMMENT ON COLUMN tensors.layer IS 'execution group: layer.NNNNN, embeddings, head or other';
+
+COMMENT ON TABLE stat_sets IS 'one row per (base, expert, block size) whose statistics are complete';
+COMMENT ON COLUMN stat_sets.base_fp IS 'the base (models.model_fp)';
+COMMENT ON COLUMN stat_sets.expert_fp IS 'the expert (models.model_fp)';
+COMMENT ON COLUMN stat_sets.block_size IS 'block size in bytes';
+COMMENT ON COLUMN stat_sets.n_blocks IS 'blocks with statistics';
+COMMENT ON COLUMN stat_sets.bytes IS 'expert bytes those blocks cover';
+COMMENT ON COLUMN stat_sets.delta_sq IS 'sum of the squared delta over all blocks';
+COMMENT ON COLUMN stat_sets.indexed_at IS 'when the statistics were recorded';
+
+COMMENT ON TABLE blocks IS 'the block layout of a base at a block size: runs of whole rows of each float tensor';
+COMMENT ON COLUMN blocks.base_fp IS 'the base (models.model_fp)';
+COMMENT ON COLUMN blocks.block_size IS 'block size in bytes';
+COMMENT ON COLUMN blocks.tensor IS 'tensor name';
+COMMENT ON COLUMN blocks.block IS 'block number within the tensor';
+COMMENT ON COLUMN blocks.layer IS 'execution group of the tensor';
+COMMENT ON COLUMN blocks.row_start IS 'first row (dim 0)';
+COMMENT ON COLUMN blocks.row_end IS 'one past the last row';
+COMMENT ON COLUMN blocks.base_bytes IS 'bytes of the block in the base';
+COMMENT ON COLUMN blocks.base_sq IS 'the base block''s energy, sum of b squared in fp64';
+
+COMMENT ON TABLE block_stats IS 'per (expert, block): bytes, the delta''s energy and reach';
+COMMENT ON COLUMN block_stats.base_fp IS 'the base (models.model_fp)';
+COMMENT ON COLUMN block_stats.expert_fp IS 'the expert (models.model_fp)';
+COMMENT ON COLUMN block_stats.block_size IS 'block size in bytes';
+COMMENT ON COLUMN block_stats.tensor IS 'tensor name';
+COMMENT ON COLUMN block_stats.block IS 'block number within the tensor';
+COMMENT ON COLUMN block_stats.bytes IS 'bytes of the block in the expert''s own dtype (what reading it costs)';
+COMMENT ON COLUMN block_stats.delta_sq IS 'sum of (expert - base) squared in fp64; +inf where the delta holds NaN or Inf';
+COMMENT ON COLUMN block_stats.max_abs_delta IS 'largest |expert - base|';
+COMMENT ON COLUMN block_stats.nnz_delta IS 'elements whose bits differ from the base''s (0: the block is never read)';
+COMMENT ON COLUMN block_stats.content_hash IS 'XXH3-128 of the block''s bytes, for inspection';
+
+COMMENT ON TABLE plans IS 'every plan made: its budget, what it reads and its error bound';
+COMMENT ON COLUMN plans.plan_digest IS 'digest of (spec, input contents, block size, access set)';
+COMMENT ON COLUMN plans.base_fp IS 'the base (models.model_fp)';
+COMMENT ON COLUMN plans.block_size IS 'block size in bytes';
+COMMENT ON COLUMN plans.merge_method IS 'the operator';
+COMMENT ON COLUMN plans.budget IS 'the budget as given (25%, 512 MiB, max_error=...)';
+COMMENT ON COLUMN plans.budget_bytes IS 'the budget in bytes';
+COMMENT ON COLUMN plans.full_expert_bytes IS 'bytes of all experts (a full read)';
+COMMENT ON COLUMN plans.planned_bytes IS 'expert bytes the plan reads';
+COMMENT ON COLUMN plans.error_bound IS 'predicted bound on the Frobenius distance from the full-read merge';
+COMMENT ON COLUMN plans.bound_guaranteed IS 'whether the bound is guaranteed (additive operators) or a heuristic';
+COMMENT ON COLUMN plans.n_pairs IS '(expert, block) pairs read';
+COMMENT ON COLUMN plans.created_at IS 'when the plan was made';
+
+COMMENT ON TABLE plan_experts IS 'per plan and expert: its coefficient and planned bytes';
+COMMENT ON COLUMN plan_experts.plan_digest IS 'the plan (plans.plan_digest)';
+COMMENT ON COLUMN plan_experts.expert IS 'expert position in the config (0-based, the base not counted)';
+COMMENT ON COLUMN plan_experts.expert_fp IS 'the expert (models.model_fp)';
+COMMENT ON COLUMN plan_experts.coefficient IS 'the largest |c_k| over tensors (filters and gradients vary it)';
+COMMENT ON COLUMN plan_experts.planned_bytes IS 'bytes the plan reads of this expert';
+
+COMMENT ON TABLE access_sets IS 'the (expert, block) pairs each plan reads';
+COMMENT ON COLUMN access_sets.plan_digest IS 'the plan (plans.plan_digest)';
+COMMENT ON COLUMN access_sets.expert IS 'expert position (plan_experts.expert)';
+COMMENT ON COLUMN access_sets.tensor IS 'tensor name';
+COMMENT ON COLUMN access_sets.block IS 'block number';
+COMMENT ON COLUMN access_sets.bytes IS 'bytes read';
+COMMENT ON COLUMN access_sets.score IS '|c_k| times the block''s delta norm';
+
+COMMENT ON TABLE runs IS 'every merge and replay that published, with what it read and wrote';
+COMMENT ON COLUMN runs.run_id IS 'the Prefect flow run id, or plan digest and start time in process';
+COMMENT ON COLUMN runs.kind IS 'merge or replay';
+COMMENT ON COLUMN runs.plan_digest IS 'the plan executed';
+COMMENT ON COLUMN runs.merge_digest IS 'digest of the manifest''s content: identifies the output';
+COMMENT ON COLUMN runs.out_uri IS 'where the output was published';
+COMMENT ON COLUMN runs.started_at IS 'start (UTC)';
+COMMENT ON COLUMN runs.finished_at IS 'end (UTC)';
+COMMENT ON COLUMN runs.wall_seconds IS 'wall time in seconds';
+COMMENT ON COLUMN runs.expert_bytes_planned IS 'expert bytes the plan reads';
+COMMENT ON COLUMN runs.expert_bytes_read IS 'expert bytes this run read (resumed groups not counted)';
+COMMENT ON COLUMN runs.base_bytes_read IS 'base bytes read';
+COMMENT ON COLUMN runs.header_bytes_read IS 'header bytes read';
+COMMENT ON COLUMN runs.output_bytes_written IS 'output bytes written';
+COMMENT ON COLUMN runs.flow_run_id IS 'the Prefect flow run, when there was one';
+
+COMMENT ON TABLE manifests IS 'the manifest of every published output';
+COMMENT ON COLUMN manifests.merge_digest IS 'the output''s digest';
+COMMENT ON COLUMN manifests.out_uri IS 'where it was published';
+COMMENT ON COLUMN manifests.manifest_json IS 'the manifest as published';
+COMMENT ON COLUMN manifests.created_at IS 'when it was recorded';
+
+COMMENT ON VIEW delta_energy_by_layer IS 'delta energy per expert per layer, for every indexed base and block size';
+COMMENT ON COLUMN delta_energy_by_layer.expert IS 'the expert''s location';
+COMMENT ON COLUMN delta_energy_by_layer.layer IS 'execution group';
+COMMENT ON COLUMN delta_energy_by_layer.block_size IS 'block size in bytes';
+COMMENT ON COLUMN delta_energy_by_layer.delta_energy IS 'sum of the squared delta';
+COMMENT ON COLUMN delta_energy_by_layer.delta_norm IS 'its square root, the Frobenius norm';
+COMMENT ON COLUMN delta_energy_by_layer.bytes IS 'expert bytes in the layer';
+COMMENT ON COLUMN delta_energy_by_layer.changed_blocks IS 'blocks whose delta is not zero';
+COMMENT ON COLUMN delta_energy_by_layer.blocks IS 'blocks in the layer';
+
+COMMENT ON VIEW changed_tensors IS 'the tensors each expert changes, and by how much';
+COMMENT ON COLUMN changed_tensors.expert IS 'the expert''s location';
+COMMENT ON COLUMN changed_tensors.tensor IS 'tensor name';
+COMMENT ON COLUMN changed_tensors.layer IS 'execution group';
+COMMENT ON COLUMN changed_tensors.block_size IS 'block size in bytes';
+COMMENT ON COLUMN changed_tensors.delta_norm IS 'Frobenius norm of the delta';
+COMMENT ON COLUMN changed_tensors.max_abs_delta IS 'largest |delta|';
+COMMENT ON COLUMN changed_tensors.changed_elements IS 'elements that differ from the base';
+COMMENT ON COLUMN changed_tensors.bytes IS 'bytes of the tensor in the expert';
+
+COMMENT ON VIEW merge_history IS 'every published merge and replay with its plan and realized bytes';
+COMMENT ON COLUMN merge_history.finished_at IS 'end (UTC)';
+COMMENT ON COLUMN merge_history.kind IS 'merge or replay';
+COMMENT ON COLUMN merge_history.out_uri IS 'where the output was published';
+COMMENT ON COLUMN merge_history.merge_digest IS 'the output''s digest';
+COMMENT ON COLUMN merge_history.merge_method IS 'the operator';
+COMMENT ON COLUMN merge_history.budget IS 'the budget as given';
+COMMENT ON COLUMN merge_history.expert_bytes_planned IS 'expert bytes the plan reads';
+COMMENT ON COLUMN merge_history.expert_bytes_read IS 'expert bytes this run read';
+COMMENT ON COLUMN merge_history.full_expert_bytes IS 'bytes of all experts';
+COMMENT ON COLUMN merge_history.error_bound IS 'the plan''s predicted bound';
+COMMENT ON COLUMN merge_history.wall_seconds IS 'wall time in seconds';
+
+COMMENT ON TABLE catalog_meta IS 'facts about the catalog itself, such as its schema version';
+COMMENT ON COLUMN catalog_meta.key IS 'what (schema_version, ...)';
+COMMENT ON COLUMN catalog_meta.value IS 'its value';
