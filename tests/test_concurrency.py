@@ -13,11 +13,14 @@ import time
 from pathlib import Path
 
 import duckdb
+import pytest
 
 from mergepipe.devtools.synthetic import make_family, write_config
 from mergepipe.flows.merge import merge
 
 from .helpers import catalog_problems
+
+pytestmark = pytest.mark.slow
 
 BUDGETS = ["10%", "30%", "60%", "100%"]
 

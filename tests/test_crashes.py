@@ -21,6 +21,8 @@ from mergepipe.publish.manifest import verify_output
 
 from .helpers import catalog_problems
 
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).resolve().parent
 
 # (id, KILL_AT, phase): index points leave no output; merge points may leave staging; "published"

@@ -15,6 +15,8 @@ from mergepipe.publish.manifest import verify_output
 
 from .helpers import config_for
 
+pytestmark = pytest.mark.slow
+
 
 def test_dask_local_cluster_gives_the_thread_runner_digest(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.6)

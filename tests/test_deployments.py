@@ -9,6 +9,7 @@ import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
+import pytest
 import yaml
 
 from mergepipe.flows.deployments import DEPLOYMENTS, WORK_POOL, load_flow
@@ -17,6 +18,8 @@ from mergepipe.flows.sweep import budget_sweep
 from mergepipe.publish.manifest import verify_output
 
 from .helpers import config_for
+
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 

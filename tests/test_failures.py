@@ -15,6 +15,8 @@ from mergepipe.tasks import merge as merge_tasks
 
 from .helpers import config_for
 
+pytestmark = pytest.mark.slow
+
 
 def _flaky(monkeypatch, failures: int, group: str = "layer.00001"):
     real = merge_tasks.merge_group

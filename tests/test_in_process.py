@@ -86,6 +86,7 @@ def test_in_process_runs_reproduce_prefect_runs(bf16_family, tmp_path, session_c
     assert (tmp_path / "sweep" / "sweep.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # SIGKILLs a merge process
 def test_killed_in_process_merge_resumes(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="60%")
     env = _no_api_env(tmp_path, MERGEPIPE_WORKERS="1")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mergepipe.execute.group import group_regions
 from mergepipe.flows.merge import merge
 from mergepipe.plan import saved
@@ -16,6 +18,8 @@ from mergepipe.publish.manifest import verify_output
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
 from .helpers import config_for
+
+pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).resolve().parent
 

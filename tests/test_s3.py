@@ -25,6 +25,8 @@ from mergepipe.storage.model_files import MANIFEST_FILE
 
 from .helpers import config_for
 
+pytestmark = pytest.mark.slow
+
 BUCKET = "ckpt"
 MERGEPIPE = str(Path(sys.executable).parent / "mergepipe")
 

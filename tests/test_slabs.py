@@ -101,7 +101,11 @@ PLANS = (
 )
 
 
-@pytest.mark.parametrize("slab_elements", [1, 20, 1 << 18])
+# Slabs of one row and of a few rows in the full suite; the fast tier keeps block-sized slabs
+# (three to a tensor here).
+@pytest.mark.parametrize(
+    "slab_elements", [pytest.param(1, marks=pytest.mark.slow), pytest.param(20, marks=pytest.mark.slow), 1 << 18]
+)
 @pytest.mark.parametrize("method,kind,rescale,normalize,lam", CASES)
 def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, normalize, lam, slab_elements):
     """Bit for bit, with slabs of one row, of a few rows and of whole blocks; experts read in
@@ -275,6 +279,7 @@ def test_slab_form_applies_to_plain_tensors_and_one_dimensional_ones(monkeypatch
             assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), (method, shape)
 
 
+@pytest.mark.slow  # every k on five kinds of magnitudes at four slab sizes: the exhaustive check
 def test_magnitude_threshold_is_kthvalue_with_ties_to_the_lowest_indices():
     """The slab selection keeps exactly the mask sparsify.magnitude_keep_mask gives, over
     zero-heavy, tie-heavy, tiny, denormal and spread-out magnitudes, for every k tried; it

@@ -34,6 +34,12 @@ from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.model_files import INDEX_FILE, SINGLE_FILE
 from mergepipe.storage.reader import read_small_file, stat
 
+# What a config's model entries must name (said wherever one does not).
+MODEL_LOCATION = (
+    f"a model location is a folder (local or s3://) holding {SINGLE_FILE} or {INDEX_FILE} and its shards, "
+    "or a single .safetensors file that holds the whole model"
+)
+
 DTypeName = Literal["float32", "float16", "bfloat16", "float64"]
 
 
@@ -355,11 +361,8 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         (f"models[{i}].model", m.model) for i, m in enumerate(spec.models)
     ]:
         where = _resolve_location(ref, base_dir)
-        if where.endswith(".safetensors"):
-            raise BadInput(
-                f"{path}: {key}: {ref!r} is a .safetensors file; a model location is a folder (local or s3://) "
-                f"holding {SINGLE_FILE} or {INDEX_FILE} and its shards"
-            )
+        if where.endswith(".safetensors") and stat(join(split(where)[0], INDEX_FILE)) is not None:
+            raise BadInput(f"{path}: {key}: {ref!r} is one shard of a sharded model; {MODEL_LOCATION}")
         if "+" in ref and not is_remote(where) and not Path(where).exists():
             raise BadInput(
                 f"{path}: {key}: {ref!r} is a LoRA reference (model+adapter), which mergepipe does not merge; "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mergepipe.config.spec import expert_label
+from mergepipe.config.spec import MODEL_LOCATION, expert_label
 from mergepipe.errors import BadInput
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles, read_model
@@ -41,12 +41,14 @@ def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
     names = set(base.tensors)
     for i, e in enumerate(experts):
         who = f"expert {i} ({e.uri})"
+        # A single file that holds part of a model looks like a family mismatch: say what is wanted.
+        hint = f" ({MODEL_LOCATION})" if base.uri.endswith(".safetensors") or e.uri.endswith(".safetensors") else ""
         extra = sorted(set(e.tensors) - names)
         if extra:
-            raise BadInput(f"{who}: tensor {extra[0]!r} is not in the base model {base.uri}")
+            raise BadInput(f"{who}: tensor {extra[0]!r} is not in the base model {base.uri}{hint}")
         missing = sorted(names - set(e.tensors))
         if missing:
-            raise BadInput(f"{who}: tensor {missing[0]!r} of the base model is missing")
+            raise BadInput(f"{who}: tensor {missing[0]!r} of the base model is missing{hint}")
         for name in sorted(names):
             b, x = base.tensors[name].info, e.tensors[name].info
             if b.shape != x.shape:
