@@ -3,7 +3,7 @@ operator's declared defaults, as a ParamTable (each distinct set once)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from mergepipe.config.settings import evaluate
 from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
@@ -19,10 +19,27 @@ def _where(tensor: str) -> str:
 def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0) -> MergeParams:
     """The parameters of one tensor at layer position t (see _resolve), after check_parameters."""
     check_parameters(spec)
-    return _resolve(spec, tensor, t)
+    return _resolve(spec, _Settings.of(spec), tensor, t)
 
 
-def _resolve(spec: MergeSpec, tensor: str, t: float) -> MergeParams:
+class _Settings(NamedTuple):
+    """The spec's parameter blocks as plain mappings, read once for all of a model's tensors."""
+
+    shared: dict[str, Any]
+    experts: list[dict[str, Any]]  # in the order of spec.expert_entries
+    base: dict[str, Any] | None  # the base's own entry among `models:`, if listed
+
+    @classmethod
+    def of(cls, spec: MergeSpec) -> "_Settings":
+        base = spec.base_entry
+        return cls(
+            parameter_values(spec.parameters),
+            [parameter_values(entry.parameters) for _, entry in spec.expert_entries],
+            parameter_values(base.parameters) if base is not None else None,
+        )
+
+
+def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> MergeParams:
     """The parameters of one tensor at layer position t, with the operator's defaults.
 
     Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
@@ -31,19 +48,18 @@ def _resolve(spec: MergeSpec, tensor: str, t: float) -> MergeParams:
     a config that does not list the base weighs it with a global value if there is one (as
     mergekit adds it as an input), and leaves it out otherwise."""
     op = get_operator(spec.merge_method)
-    shared_settings = parameter_values(spec.parameters)
 
     def value(name: str, own: dict[str, Any] | None) -> Any:
         v = evaluate(own[name], tensor, t) if own is not None else None
-        return evaluate(shared_settings[name], tensor, t) if v is None else v
+        return evaluate(settings.shared[name], tensor, t) if v is None else v
 
     resolved: dict[str, Any] = {}
     experts = spec.expert_entries
     for p in op.parameters:
         if p.per_model:
             values = []
-            for i, entry in experts:
-                v = value(p.name, parameter_values(entry.parameters))
+            for (i, entry), own in zip(experts, settings.experts):
+                v = value(p.name, own)
                 if v is None and p.required:
                     raise BadInput(
                         f"models[{i}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
@@ -63,8 +79,7 @@ def _resolve(spec: MergeSpec, tensor: str, t: float) -> MergeParams:
     base_values = None
     if op.base_weighted:
         entry = spec.base_entry
-        own = parameter_values(entry.parameters) if entry is not None else None
-        base_values = {p.name: value(p.name, own) for p in op.parameters if p.per_model}
+        base_values = {p.name: value(p.name, settings.base) for p in op.parameters if p.per_model}
         for p in op.parameters:
             if p.per_model and p.required and entry is not None and base_values[p.name] is None:
                 raise BadInput(
@@ -90,4 +105,5 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     check_parameters(spec)
     names = sorted(tensor_names)
     n_layers = layer_count(names)
-    return ParamTable.build({name: _resolve(spec, name, layer_position(name, n_layers)) for name in names})
+    settings = _Settings.of(spec)
+    return ParamTable.build({name: _resolve(spec, settings, name, layer_position(name, n_layers)) for name in names})
