@@ -193,10 +193,9 @@ def plan(
     t = Table(title=f"plan {result['plan_digest'][:16]} ({result['merge_method']})")
     for col in ("layer", "expert", "selected", "of", "energy captured"):
         t.add_column(col, justify="left" if col in ("layer", "expert") else "right")
-    names = [Path(u).name for u in result["experts"]]
     for row in result["explain"]:
         share = f"{row['captured_energy'] / row['delta_energy']:.1%}" if row["delta_energy"] else "no delta"
-        who = f"{row['expert']} {names[row['expert']]}"
+        who = f"{row['expert']} {row['name']}"
         t.add_row(row["layer"], who, _mib(row["selected_bytes"]), _mib(row["expert_bytes"]), share)
     out_console.print(t)
     out_console.print(

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mergepipe.cli import app
 
-from .helpers import config_for
+from .helpers import config_for, replace_model
 
 runner = CliRunner()
 CONTRACT = {
@@ -290,3 +290,43 @@ def test_catalog_tables_at_80_columns_keep_what_tells_rows_apart(bf16_family, tm
     r = runner.invoke(app, ["catalog", "sql", query, "--catalog", session_catalog], env={"COLUMNS": "80"})
     assert r.exit_code == 0, r.output
     assert "…" not in r.output and max(len(line) for line in r.output.splitlines()) <= 80, r.output
+
+
+def test_models_get_short_display_names_unique_in_the_catalog(bf16_family, tmp_path):
+    """Two experts both called ckpt (in run1/ and run2/) are run1/ckpt and run2/ckpt in the plan,
+    its explain rows and the catalog views; a later expert at other/ckpt is ckpt; a model whose
+    files change keeps its name."""
+    import shutil
+
+    from mergepipe.devtools.synthetic import FamilyPaths
+
+    from .reference import load_model
+
+    runs = [tmp_path / "run1" / "ckpt", tmp_path / "run2" / "ckpt"]
+    for src, dst in zip(bf16_family.experts, runs):
+        shutil.copytree(src, dst)
+    catalog = str(tmp_path / "names.duckdb")
+    first = config_for(tmp_path, FamilyPaths(bf16_family.base, runs), "task_arithmetic", weights=[0.5, 0.5])
+    r = runner.invoke(app, ["plan", str(first), "--budget", "50%", "--json", "--catalog", catalog])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    assert plan["expert_names"] == ["run1/ckpt", "run2/ckpt"]
+    assert {(row["expert"], row["name"]) for row in plan["explain"]} == {(0, "run1/ckpt"), (1, "run2/ckpt")}
+
+    other = tmp_path / "other" / "ckpt"
+    shutil.copytree(bf16_family.experts[2], other)
+    replace_model(runs[0], {k: v * 2 if v.is_floating_point() else v for k, v in load_model(runs[0]).items()})
+    second = config_for(
+        tmp_path, FamilyPaths(bf16_family.base, [runs[0], other]), "task_arithmetic", weights=[0.5, 0.5], name="b.yaml"
+    )
+    r = runner.invoke(app, ["plan", str(second), "--budget", "50%", "--json", "--catalog", catalog])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["expert_names"] == ["run1/ckpt", "ckpt"]
+    query = "SELECT DISTINCT expert, expert_uri FROM delta_energy_by_layer ORDER BY expert_uri"
+    r = runner.invoke(app, ["catalog", "sql", query, "--json", "--catalog", catalog])
+    assert r.exit_code == 0, r.output
+    assert [(row["expert"], row["expert_uri"]) for row in json.loads(r.stdout)] == [
+        ("ckpt", str(other)),
+        ("run1/ckpt", str(runs[0])),
+        ("run2/ckpt", str(runs[1])),
+    ]

@@ -38,6 +38,24 @@ def test_prefect_yaml_declares_the_served_deployments():
         assert y["work_pool"]["name"] == WORK_POOL
 
 
+def test_each_flow_is_found_where_its_deployment_entrypoint_points():
+    """A module-path entrypoint is the Prefect flow's module and name; loading it must give the
+    very flow object the flow's declaration builds."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    from mergepipe.flows import deployments
+    from mergepipe.flows.index_family import index_family
+    from mergepipe.flows.merge import plan
+    from mergepipe.flows.orchestration import DeclaredFlow
+    from mergepipe.flows.replay import replay
+
+    for declared in (index_family, plan, merge, budget_sweep, replay):
+        assert isinstance(declared, DeclaredFlow)
+        flow = declared.prefect
+        assert load_flow_from_entrypoint(f"{flow.__module__}.{flow.__name__}") is flow
+        assert getattr(deployments, declared.fn.__name__) is flow
+
+
 def test_run_date_in_the_output_location(bf16_family, tmp_path, session_catalog):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="20%")
     result = merge(config=str(cfg), out=str(tmp_path / "nightly-{date}"), catalog=session_catalog)

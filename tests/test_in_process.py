@@ -145,3 +145,36 @@ def test_plain_calls_retry_transient_errors_but_not_bad_input():
     with pytest.raises(BadInput):
         call_with_retries(task, 1, BadInput)
     assert len(calls) == 1
+
+
+def _heavy_imports(env: dict, cwd: Path, *args: str) -> set[str]:
+    """Of torch and Prefect, the packages a command loaded: -X importtime names each module as
+    it is executed (torch, bound lazily, by its submodules)."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "mergepipe.cli", *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    return {p for p in ("torch", "prefect") if any(m == p or m.startswith(p + ".") for m in loaded)}
+
+
+def test_commands_that_do_no_arithmetic_load_neither_torch_nor_prefect(bf16_family, tmp_path):
+    """plan (of an indexed family), verify, catalog and --help; a merge loads torch, not Prefect."""
+    env = _no_api_env(tmp_path, MERGEPIPE_HOME=str(tmp_path / "home"))
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="50%")
+    catalog = str(tmp_path / "catalog.duckdb")
+    out = str(tmp_path / "out")
+    assert _heavy_imports(env, tmp_path, "merge", str(cfg), "--out", out, "--catalog", catalog) == {"torch"}
+    for args in (
+        ["--help"],
+        ["plan", str(cfg), "--catalog", catalog],
+        ["verify", out],
+        ["catalog", "sql", "select count(*) from models", "--catalog", catalog],
+        ["catalog", "schema", "--catalog", catalog],
+    ):
+        assert _heavy_imports(env, tmp_path, *args) == set(), args

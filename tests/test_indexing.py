@@ -46,10 +46,10 @@ def test_catalog_views_answer_everyday_questions(bf16_family, tmp_path):
     index_family(config=str(write_config(tmp_path / "c.yaml", bf16_family)), catalog=catalog)
     con = duckdb.connect(catalog, read_only=True)
     lora = str(bf16_family.experts[2])
-    changed = {r[0] for r in con.execute("SELECT tensor FROM changed_tensors WHERE expert = ?", [lora]).fetchall()}
+    changed = {r[0] for r in con.execute("SELECT tensor FROM changed_tensors WHERE expert_uri = ?", [lora]).fetchall()}
     assert changed and all(".q_proj." in t or ".v_proj." in t for t in changed)
     layers = con.execute(
-        "SELECT layer, delta_energy FROM delta_energy_by_layer WHERE expert = ? ORDER BY layer",
+        "SELECT layer, delta_energy FROM delta_energy_by_layer WHERE expert_uri = ? ORDER BY layer",
         [str(bf16_family.experts[0])],
     ).fetchall()
     assert [layer for layer, _ in layers][:2] == ["embeddings", "layer.00000"]
@@ -106,10 +106,30 @@ def test_schema_1_catalog_is_upgraded_in_place(tmp_path):
     con.execute("INSERT INTO model_files VALUES ('fp', 'model.safetensors', 10, 1, 2, 3, 4)")
     con.close()
     with db.connect(path) as con:
-        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("3",)]
+        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("4",)]
         con.execute("INSERT INTO model_files (model_fp, file, size, header_bytes, etag) VALUES ('fp2', 'a', 1, 1, 'e')")
         rows = con.execute("SELECT model_fp, mtime_ns, etag FROM model_files ORDER BY model_fp").fetchall()
     assert rows == [("fp", 1, None), ("fp2", None, "e")]
+
+
+def test_schema_3_catalog_gains_display_names(tmp_path):
+    """Models recorded before display names get the shortest trailing part of their location that
+    no other location shares."""
+    from mergepipe.catalog import db
+
+    path = tmp_path / "v3.duckdb"
+    with db.connect(path):
+        pass
+    con = duckdb.connect(str(path))
+    con.execute("ALTER TABLE models DROP COLUMN name")
+    con.execute("UPDATE catalog_meta SET value = '3' WHERE key = 'schema_version'")
+    for fp, uri in [("a", "/x/run1/ckpt"), ("b", "/x/run2/ckpt"), ("c", "/x/base"), ("d", "s3://bucket/base/")]:
+        con.execute("INSERT INTO models (model_fp, uri, n_tensors, tensor_bytes) VALUES (?, ?, 1, 1)", [fp, uri])
+    con.close()
+    with db.connect(path) as con:
+        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("4",)]
+        names = con.execute("SELECT model_fp, name FROM models ORDER BY model_fp").fetchall()
+    assert names == [("a", "run1/ckpt"), ("b", "run2/ckpt"), ("c", "x/base"), ("d", "bucket/base")]
 
 
 def test_newer_catalog_is_refused(tmp_path):

@@ -3,6 +3,7 @@
 COMMENT ON TABLE models IS 'one row per model as found: its location and the fingerprint of its files';
 COMMENT ON COLUMN models.model_fp IS 'fingerprint of the location and its files (changes when a file changes)';
 COMMENT ON COLUMN models.uri IS 'the model folder or s3:// prefix';
+COMMENT ON COLUMN models.name IS 'display name: the shortest trailing part of the location that no other location holds';
 COMMENT ON COLUMN models.content_sha256 IS 'digest of the tensors (names, dtypes, shapes, bytes), wherever they live';
 COMMENT ON COLUMN models.n_tensors IS 'number of tensors';
 COMMENT ON COLUMN models.tensor_bytes IS 'bytes of all tensors';
@@ -113,7 +114,7 @@ COMMENT ON COLUMN manifests.manifest_json IS 'the manifest as published';
 COMMENT ON COLUMN manifests.created_at IS 'when it was recorded';
 
 COMMENT ON VIEW delta_energy_by_layer IS 'delta energy per expert per layer, for every indexed base and block size';
-COMMENT ON COLUMN delta_energy_by_layer.expert IS 'the expert''s location';
+COMMENT ON COLUMN delta_energy_by_layer.expert IS 'the expert''s display name (models.name)';
 COMMENT ON COLUMN delta_energy_by_layer.layer IS 'execution group';
 COMMENT ON COLUMN delta_energy_by_layer.block_size IS 'block size in bytes';
 COMMENT ON COLUMN delta_energy_by_layer.delta_energy IS 'sum of the squared delta';
@@ -121,9 +122,10 @@ COMMENT ON COLUMN delta_energy_by_layer.delta_norm IS 'its square root, the Frob
 COMMENT ON COLUMN delta_energy_by_layer.bytes IS 'expert bytes in the layer';
 COMMENT ON COLUMN delta_energy_by_layer.changed_blocks IS 'blocks whose delta is not zero';
 COMMENT ON COLUMN delta_energy_by_layer.blocks IS 'blocks in the layer';
+COMMENT ON COLUMN delta_energy_by_layer.expert_uri IS 'the expert''s location';
 
 COMMENT ON VIEW changed_tensors IS 'the tensors each expert changes, and by how much';
-COMMENT ON COLUMN changed_tensors.expert IS 'the expert''s location';
+COMMENT ON COLUMN changed_tensors.expert IS 'the expert''s display name (models.name)';
 COMMENT ON COLUMN changed_tensors.tensor IS 'tensor name';
 COMMENT ON COLUMN changed_tensors.layer IS 'execution group';
 COMMENT ON COLUMN changed_tensors.block_size IS 'block size in bytes';
@@ -131,6 +133,7 @@ COMMENT ON COLUMN changed_tensors.delta_norm IS 'Frobenius norm of the delta';
 COMMENT ON COLUMN changed_tensors.max_abs_delta IS 'largest |delta|';
 COMMENT ON COLUMN changed_tensors.changed_elements IS 'elements that differ from the base';
 COMMENT ON COLUMN changed_tensors.bytes IS 'bytes of the tensor in the expert';
+COMMENT ON COLUMN changed_tensors.expert_uri IS 'the expert''s location';
 
 COMMENT ON VIEW merge_history IS 'every published merge and replay with its plan and realized bytes';
 COMMENT ON COLUMN merge_history.finished_at IS 'end (UTC)';
@@ -139,6 +142,7 @@ COMMENT ON COLUMN merge_history.out_uri IS 'where the output was published';
 COMMENT ON COLUMN merge_history.merge_digest IS 'the output''s digest';
 COMMENT ON COLUMN merge_history.merge_method IS 'the operator';
 COMMENT ON COLUMN merge_history.budget IS 'the budget as given';
+COMMENT ON COLUMN merge_history.experts IS 'the experts'' display names, in config order';
 COMMENT ON COLUMN merge_history.expert_bytes_planned IS 'expert bytes the plan reads';
 COMMENT ON COLUMN merge_history.expert_bytes_read IS 'expert bytes this run read';
 COMMENT ON COLUMN merge_history.full_expert_bytes IS 'bytes of all experts';

@@ -24,9 +24,9 @@ def lock_timeout() -> float:
     return float(os.environ.get("MERGEPIPE_CATALOG_LOCK_TIMEOUT", "120"))
 
 
-SCHEMA_VERSION = "3"
+SCHEMA_VERSION = "4"
 # Upgrades from each earlier version (applied in order, each in the schema check's transaction).
-MIGRATIONS = {"1": "migrate_1_to_2.sql", "2": "migrate_2_to_3.sql"}
+MIGRATIONS = {"1": "migrate_1_to_2.sql", "2": "migrate_2_to_3.sql", "3": "migrate_3_to_4.sql"}
 
 
 @contextmanager

@@ -10,11 +10,34 @@ from mergepipe.catalog.db import transaction
 
 
 def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
-    """From the registered views new_models, new_files, new_tensors (idempotent: keyed by fingerprint)."""
-    con.execute(
-        "INSERT OR IGNORE INTO models (model_fp, uri, n_tensors, tensor_bytes) "
-        "SELECT model_fp, uri, n_tensors, tensor_bytes FROM new_models"
+    """From the registered views new_models, new_files, new_tensors (idempotent: keyed by fingerprint).
+    A new model takes its location's display name if the location has one already (a changed
+    file keeps its model's name), else the shortest of its candidate names that no other location
+    holds: names are unique in the catalog, and so within every family."""
+    new = con.execute(
+        "SELECT DISTINCT model_fp, uri, names FROM new_models WHERE model_fp NOT IN (SELECT model_fp FROM models)"
+    ).fetchall()
+    if not new:
+        return _insert_files_and_tensors(con)
+    name_of = dict(con.execute("SELECT uri, min(name) FROM models WHERE name IS NOT NULL GROUP BY uri").fetchall())
+    holder = {name: uri for uri, name in name_of.items()}
+    unnamed = {uri: names for _, uri, names in new if uri not in name_of}
+    for uri, names in unnamed.items():
+        # Not a name another new location could also take: /x/run1/ckpt and /x/run2/ckpt
+        # become run1/ckpt and run2/ckpt, whichever comes first.
+        others = {n for u, ns in unnamed.items() if u != uri for n in ns}
+        name_of[uri] = next((n for n in names if n not in others and holder.get(n, uri) == uri), uri)
+        holder[name_of[uri]] = uri
+    chosen = [(name_of[uri], fp) for fp, uri, _ in new]
+    con.executemany(
+        "INSERT OR IGNORE INTO models (model_fp, uri, name, n_tensors, tensor_bytes) "
+        "SELECT model_fp, uri, ?, n_tensors, tensor_bytes FROM new_models WHERE model_fp = ? LIMIT 1",
+        chosen,
     )
+    _insert_files_and_tensors(con)
+
+
+def _insert_files_and_tensors(con: duckdb.DuckDBPyConnection) -> None:
     con.execute("INSERT OR IGNORE INTO model_files BY NAME SELECT * FROM new_files")
     con.execute("INSERT OR IGNORE INTO tensors SELECT * FROM new_tensors")
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-import torch
-
+from mergepipe.lazy import torch
 from mergepipe.operators import ExpertSource
 from mergepipe.operators.rows import ExpertRows, as_rows
 

@@ -11,10 +11,10 @@ from typing import NamedTuple
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 
 from mergepipe.execute.experts import LazyExperts
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
+from mergepipe.lazy import torch
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows, as_rows
 from mergepipe.plan.output import OutputLayout

@@ -6,13 +6,23 @@ locations, digests and byte counts, never storage options."""
 
 from __future__ import annotations
 
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
 from mergepipe.flows.orchestration import publish_artifact
 from mergepipe.storage.location import is_remote
 
 PLAN_KEY = "merge-plan"
 SUMMARY_KEY = "merge-summary"
+
+
+def create_table_artifact(**kwargs) -> None:
+    from prefect.artifacts import create_table_artifact as create
+
+    create(**kwargs)
+
+
+def create_markdown_artifact(**kwargs) -> None:
+    from prefect.artifacts import create_markdown_artifact as create
+
+    create(**kwargs)
 
 
 def _mib(n: int) -> str:
@@ -25,6 +35,7 @@ def plan_artifact(plan: dict) -> None:
         {
             "layer": r["layer"],
             "expert": r["expert"],
+            "name": r["name"],
             "selected_bytes": int(r["selected_bytes"]),
             "expert_bytes": int(r["expert_bytes"]),
             "energy_captured": round(r["captured_energy"] / r["delta_energy"], 6) if r["delta_energy"] else None,

@@ -11,8 +11,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
-
 from mergepipe.config.environment import results_dir, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec
@@ -24,6 +22,7 @@ from mergepipe.flows.orchestration import call_with_retries, in_process, run_tas
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.stats import first_nonfinite
+from mergepipe.lazy import torch
 from mergepipe.plan import saved
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
@@ -87,7 +86,7 @@ def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
             result, rows = call_with_retries(compute_block_stats, family, missing, bs)
             ledger.merge(rows)
         else:
-            state = compute_block_stats.with_options(result_storage=results_dir())(
+            state = compute_block_stats.prefect.with_options(result_storage=results_dir())(
                 family, missing, bs, return_state=True
             )
             result, rows = state.result()
@@ -102,6 +101,9 @@ def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
 
 
 def flow_run_id() -> str | None:
+    """The Prefect flow run's id; None in process (without importing Prefect)."""
+    if in_process():
+        return None
     try:
         from prefect.runtime import flow_run
 

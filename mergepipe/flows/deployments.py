@@ -1,10 +1,22 @@
 """The deployments mergepipe offers, in one place: `mergepipe serve` builds them from this list,
-and deployments/prefect.yaml declares the same ones for a work pool (a test keeps the two equal)."""
+and deployments/prefect.yaml declares the same ones for a work pool (a test keeps the two equal).
+The flows' Prefect objects live here, under their functions' names: the entrypoints name them."""
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+
+from mergepipe.flows import index_family as _index_family
+from mergepipe.flows import merge as _merge
+from mergepipe.flows import replay as _replay
+from mergepipe.flows import sweep as _sweep
+
+index_family = _index_family.index_family.prefect
+plan = _merge.plan.prefect
+merge = _merge.merge.prefect
+budget_sweep = _sweep.budget_sweep.prefect
+replay = _replay.replay.prefect
 
 WORK_POOL = "mergepipe-process"
 NIGHTLY_CRON = "0 2 * * *"  # 02:00 UTC every day
@@ -24,23 +36,23 @@ class DeploymentSpec:
 DEPLOYMENTS = [
     DeploymentSpec(
         "index",
-        "mergepipe.flows.index_family:index_family",
+        "mergepipe.flows.deployments:index_family",
         "Index a family's block statistics (parameters: config, catalog).",
     ),
     DeploymentSpec(
         "merge",
-        "mergepipe.flows.merge:merge",
+        "mergepipe.flows.deployments:merge",
         "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address). "
         "{date} in out becomes the run's scheduled date.",
     ),
     DeploymentSpec(
         "sweep",
-        "mergepipe.flows.sweep:budget_sweep",
+        "mergepipe.flows.deployments:budget_sweep",
         "Merge at several budgets, one output per budget under out (parameters: config, out, budgets, runner, dask_address).",
     ),
     DeploymentSpec(
         "merge-nightly",
-        "mergepipe.flows.merge:merge",
+        "mergepipe.flows.deployments:merge",
         "The merge deployment on a schedule; its output folder carries the run date.",
         parameters={"config": "configs/nightly.yaml", "out": "merges/nightly-{date}", "budget": "25%"},
         cron=NIGHTLY_CRON,

@@ -9,8 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import as_completed as futures_completed
 from contextlib import contextmanager
 
-from prefect.futures import as_completed, wait
-
 from mergepipe.config.request import Runner
 from mergepipe.flows.orchestration import call_with_retries, in_process
 from mergepipe.flows.runners import layer_task_runner
@@ -31,12 +29,13 @@ def _in_process(params: list[dict], workers: int) -> Iterator[Iterator[tuple[str
 
 @contextmanager
 def _with_prefect(params: list[dict], runner: Runner, workers: int) -> Iterator[Iterator[tuple[str, dict]]]:
+    from prefect.futures import as_completed, wait
+
+    task = merge_layer_group.prefect
     with layer_task_runner(runner, workers) as pool:
         futures = {}
         for p in params:
-            futures[pool.submit(merge_layer_group, parameters=p) if pool else merge_layer_group.submit(**p)] = p[
-                "group"
-            ]
+            futures[pool.submit(task, parameters=p) if pool else task.submit(**p)] = p["group"]
         try:
             yield ((futures[f], f.result()) for f in as_completed(list(futures)))
         finally:

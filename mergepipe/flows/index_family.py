@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import expert_label
 from mergepipe.flows.common import run_index
+from mergepipe.flows.orchestration import declare_flow
 
 
-@flow(name="index-family")
+@declare_flow("index-family")
 def index_family(config: str, catalog: str | None = None) -> dict:
     request = build_request(config, catalog=catalog)
     spec = request.spec

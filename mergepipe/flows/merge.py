@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
-
-from mergepipe.config.environment import worker_count
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import MergeSpec
 from mergepipe.flows.artifacts import plan_artifact
 from mergepipe.flows.common import Execution, execute_plan, now, run_index
-from mergepipe.flows.orchestration import run_task
+from mergepipe.flows.orchestration import declare_flow, run_task
 from mergepipe.tasks.plan import plan_merge
 
 
@@ -23,7 +19,7 @@ def scheduled_date():
     return flow_run.scheduled_start_time
 
 
-@flow(name="plan-merge")
+@declare_flow("plan-merge")
 def plan(
     config: str,
     budget: str | None = None,
@@ -43,11 +39,14 @@ def plan(
 
 
 def plan_result(p, spec: MergeSpec, explain: list[dict], plan_dir: str) -> dict:
+    names = {row["expert"]: row["name"] for row in explain}
     return {
         "plan_digest": p.plan_digest,
         "plan_dir": plan_dir,
         "merge_method": spec.merge_method,
         "experts": spec.expert_uris,
+        # display names (catalog models.name), by position
+        "expert_names": [names.get(i, uri) for i, uri in enumerate(spec.expert_uris)],
         "budget": p.budget,
         "budget_bytes": p.budget_bytes,
         "full_expert_bytes": p.full_expert_bytes,
@@ -60,7 +59,7 @@ def plan_result(p, spec: MergeSpec, explain: list[dict], plan_dir: str) -> dict:
     }
 
 
-@flow(name="merge", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
+@declare_flow("merge", thread_pool=True)
 def merge(
     config: str,
     out: str,

@@ -3,8 +3,8 @@ process, calling the same flow and task functions without Prefect.
 
 Prefect 3 has no serverless mode: with no PREFECT_API_URL it starts a temporary API server in
 every process, which takes longer than a small merge (docs/benchmarks.md, fixed costs). So with no API
-configured, mergepipe runs a flow's plain function (Prefect keeps it as `.fn`) and calls each
-task's plain function with the same retry rule. What Prefect adds is then absent: the UI's
+configured, mergepipe runs a flow's plain function and calls each task's plain function with the
+same retry rule; Prefect is then never imported. What Prefect adds is then absent: the UI's
 runs and artifacts, and the task result cache. A killed merge still resumes: finished layer
 groups are found from their marks in the staging folder.
 
@@ -15,22 +15,57 @@ configured. The Dask runner always needs Prefect.
 
 from __future__ import annotations
 
-import contextvars
+import dataclasses
 import os
-import random
-import time
-from typing import Any
+import sys
+import tomllib
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Callable
 
 from mergepipe.errors import BadInput
+from mergepipe.tasks.declare import _in_process, call_with_retries, in_process, run_task
+
+__all__ = ["DeclaredFlow", "call_with_retries", "declare_flow", "in_process", "run_flow", "run_task", "use_prefect"]
 
 MODES = ("prefect", "local")
-_in_process: contextvars.ContextVar[bool] = contextvars.ContextVar("mergepipe_in_process", default=False)
+# Where the flows' Prefect objects live as module attributes: deployments name them there.
+ENTRYPOINT_MODULE = "mergepipe.flows.deployments"
 
 
 def _prefect_api_configured() -> bool:
-    from prefect.settings import PREFECT_API_URL
+    """Whether Prefect's settings name an API, read without importing Prefect where they can be:
+    the variable, or the active profile in profiles.toml. Any other place Prefect reads settings
+    from (prefect.toml, .env, pyproject.toml in this folder) is left to Prefect itself, and so
+    is a process that has Prefect loaded already (its settings may be overridden in process)."""
+    if "prefect.settings" in sys.modules:
+        return bool(sys.modules["prefect.settings"].PREFECT_API_URL.value())
+    if "PREFECT_API_URL" in os.environ:
+        return bool(os.environ["PREFECT_API_URL"])
+    here = Path.cwd()
+    if (here / "prefect.toml").exists() or (here / ".env").exists() or _pyproject_has_prefect(here):
+        from prefect.settings import PREFECT_API_URL
 
-    return bool(PREFECT_API_URL.value())
+        return bool(PREFECT_API_URL.value())
+    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    profiles_path = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
+    if not profiles_path.is_file():
+        return False
+    try:
+        profiles = tomllib.loads(profiles_path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        from prefect.settings import PREFECT_API_URL
+
+        return bool(PREFECT_API_URL.value())
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active", "ephemeral")
+    return bool(profiles.get("profiles", {}).get(active, {}).get("PREFECT_API_URL"))
+
+
+def _pyproject_has_prefect(folder: Path) -> bool:
+    try:
+        return "tool.prefect" in (folder / "pyproject.toml").read_text()
+    except OSError:
+        return False
 
 
 def use_prefect(runner: str = "thread") -> bool:
@@ -42,12 +77,41 @@ def use_prefect(runner: str = "thread") -> bool:
     return mode != "local" and _prefect_api_configured()
 
 
-def in_process() -> bool:
-    """Whether the running flow runs without Prefect (tasks are then plain calls)."""
-    return _in_process.get()
+@dataclasses.dataclass(frozen=True)
+class DeclaredFlow:
+    """A flow: its function, and the options of its Prefect flow (built on first use).
+    Calling it runs it as run_flow does."""
+
+    fn: Callable
+    name: str
+    # The flow's tasks run on its thread pool of config.environment.worker_count() threads.
+    thread_pool: bool = False
+
+    @cached_property
+    def prefect(self):
+        from prefect import flow
+        from prefect.task_runners import ThreadPoolTaskRunner
+
+        from mergepipe.config.environment import worker_count
+
+        options: dict[str, Any] = {"name": self.name}
+        if self.thread_pool:
+            options["task_runner"] = ThreadPoolTaskRunner(max_workers=worker_count())
+        prefect_flow = flow(**options)(self.fn)
+        # A deployment's module-path entrypoint is the flow's module and name: they must name
+        # this object, which deployments.py holds under the function's name.
+        prefect_flow.__module__ = ENTRYPOINT_MODULE
+        return prefect_flow
+
+    def __call__(self, **params: Any) -> Any:
+        return run_flow(self, **params)
 
 
-def run_flow(flow, **params: Any) -> Any:
+def declare_flow(name: str, thread_pool: bool = False) -> Callable[[Callable], DeclaredFlow]:
+    return lambda fn: DeclaredFlow(fn, name, thread_pool)
+
+
+def run_flow(flow: DeclaredFlow, **params: Any) -> Any:
     """Run a flow: a Prefect flow run, or its plain function in this process."""
     if in_process() or not use_prefect(params.get("runner", "thread")):
         token = _in_process.set(True)
@@ -55,36 +119,10 @@ def run_flow(flow, **params: Any) -> Any:
             return flow.fn(**params)
         finally:
             _in_process.reset(token)
-    return flow(**params)
+    return flow.prefect(**params)
 
 
-def run_task(task, *args: Any, **kwargs: Any) -> Any:
-    """Call a task: a Prefect task run inside a Prefect flow run, else its plain function,
-    retried as the task declares (transient errors only: a bad input stays bad)."""
-    if not in_process():
-        return task(*args, **kwargs)
-    return call_with_retries(task, *args, **kwargs)
-
-
-def call_with_retries(task, *args: Any, **kwargs: Any) -> Any:
-    """The task's function with its retries, delays and jitter (Prefect's own retry loop lives in
-    its task engine, which needs an API; this is its few lines, by hand)."""
-    delays = task.retry_delay_seconds or 0
-    for attempt in range(task.retries + 1):
-        try:
-            return task.fn(*args, **kwargs)
-        except BadInput:
-            raise
-        except Exception:
-            if attempt == task.retries:
-                raise
-            delay = delays[min(attempt, len(delays) - 1)] if isinstance(delays, list) else delays
-            jitter = task.retry_jitter_factor or 0
-            time.sleep(max(0.0, delay * (1 + random.uniform(-jitter, jitter))))
-    raise AssertionError("unreachable")
-
-
-def publish_artifact(create, **kwargs: Any) -> None:
-    """A Prefect artifact, when there is a Prefect API to hold it."""
+def publish_artifact(create: Callable[..., Any], **kwargs: Any) -> None:
+    """A Prefect artifact, when there is a Prefect API to hold it; `create` imports Prefect."""
     if not in_process():
         create(**kwargs)

@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow
-from prefect.task_runners import ThreadPoolTaskRunner
-
-from mergepipe.config.environment import plans_root, worker_count
+from mergepipe.config.environment import plans_root
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import validate_spec
 from mergepipe.errors import BadInput
 from mergepipe.flows.common import Execution, execute_plan, now, run_index
+from mergepipe.flows.orchestration import declare_flow
 from mergepipe.plan import saved
 from mergepipe.plan.record import build_plan
 from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri
 from mergepipe.storage.location import set_storage_options
 
 
-@flow(name="replay", task_runner=ThreadPoolTaskRunner(max_workers=worker_count()))
+@declare_flow("replay", thread_pool=True)
 def replay(
     manifest: str,
     out: str,

@@ -3,13 +3,11 @@ deviation from the full-budget one, and tabulate the results."""
 
 from __future__ import annotations
 
-from prefect import flow
-from prefect.artifacts import create_table_artifact
-
 from mergepipe.config.request import build_request
 from mergepipe.config.sizes import parse_budget
+from mergepipe.flows.artifacts import create_table_artifact
 from mergepipe.flows.merge import merge
-from mergepipe.flows.orchestration import publish_artifact, run_flow, run_task
+from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
 from mergepipe.storage.location import join
 from mergepipe.tasks.report import measure_deviation
 
@@ -21,7 +19,7 @@ def budget_label(budget: str) -> str:
     return "budget-" + budget.strip().replace("%", "pct").replace("/", "-").replace(" ", "")
 
 
-@flow(name="budget-sweep")
+@declare_flow("budget-sweep")
 def budget_sweep(
     config: str,
     out: str,

@@ -21,13 +21,13 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import torch
 import xxhash
 
 from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
 from mergepipe.index.family import Family
+from mergepipe.lazy import torch
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
@@ -61,7 +61,7 @@ BLOCKS_SCHEMA = pa.schema(
 )
 
 
-_INT_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def delta_stats(base: torch.Tensor, expert: torch.Tensor, base64: np.ndarray | None = None) -> tuple[float, float, int]:
@@ -78,7 +78,7 @@ def delta_stats(base: torch.Tensor, expert: torch.Tensor, base64: np.ndarray | N
     d = expert.double().numpy().reshape(-1)  # a fresh array: the steps below work in place
     np.subtract(d, base64, out=d)
     if expert.dtype == base.dtype:
-        width = _INT_OF_WIDTH[expert.element_size()]
+        width = getattr(torch, _INT_OF_WIDTH[expert.element_size()])
         differs = int(np.count_nonzero(expert.view(width).numpy() != base.view(width).numpy()))
     else:  # stored in another dtype: compare values (and signs of zeros)
         differs = int(((d != 0) | (torch.signbit(expert) != torch.signbit(base)).numpy().reshape(-1)).sum())

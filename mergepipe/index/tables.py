@@ -8,10 +8,19 @@ import pyarrow as pa
 
 from mergepipe.index.blocks import layer_group
 from mergepipe.index.family import model_fingerprint
+from mergepipe.storage.location import trailing_names
 from mergepipe.storage.model_files import ModelFiles
 
 MODELS_SCHEMA = pa.schema(
-    [("model_fp", pa.string()), ("uri", pa.string()), ("n_tensors", pa.int64()), ("tensor_bytes", pa.int64())]
+    [
+        ("model_fp", pa.string()),
+        ("uri", pa.string()),
+        # display names to choose from, shortest first (the catalog keeps the first one no
+        # other location holds)
+        ("names", pa.list_(pa.string())),
+        ("n_tensors", pa.int64()),
+        ("tensor_bytes", pa.int64()),
+    ]
 )
 FILES_SCHEMA = pa.schema(
     [
@@ -54,6 +63,7 @@ def model_tables(models: list[ModelFiles]) -> ModelTables:
             {
                 "model_fp": fp,
                 "uri": model.uri,
+                "names": trailing_names(model.uri),
                 "n_tensors": len(model.tensors),
                 "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values()),
             }

@@ -17,10 +17,9 @@ sparsifiers are deterministic). So a huge tensor never has K delta-sized buffers
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
-import torch
-
+from mergepipe.lazy import torch
 from mergepipe.operators.base import (
     DENSITY,
     EPSILON,
@@ -41,7 +40,7 @@ from mergepipe.operators.slabs import MagnitudeKeep, RandomKeep, SlabMerge, tile
 from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
 # (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
-Sparsifier = Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]
+Sparsifier = "Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]"
 
 
 def no_sparsify(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) -> torch.Tensor:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-import torch
-
+from mergepipe.lazy import torch
 from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.gta import scalar_denominator
 

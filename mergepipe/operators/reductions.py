@@ -9,7 +9,8 @@ chunk results are combined in fp64 in a fixed order."""
 from __future__ import annotations
 
 import numpy as np
-import torch
+
+from mergepipe.lazy import torch
 
 GRAIN = 32768
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from mergepipe.lazy import torch
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:
@@ -18,4 +18,4 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 # An expert's planned rows: ((row_start, row_end), the values of those rows of the tensor's 2-D
 # view as stored, converted for arithmetic by ExpertSource.to_compute); every other row equals
 # the base's.
-ExpertRows = list[tuple[tuple[int, int], torch.Tensor]]
+ExpertRows = "list[tuple[tuple[int, int], torch.Tensor]]"

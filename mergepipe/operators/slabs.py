@@ -19,8 +19,8 @@ import math
 from typing import Callable, Iterator, Sequence
 
 import numpy as np
-import torch
 
+from mergepipe.lazy import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
 from mergepipe.operators.sparsify import block_keep_mask, rescale_factor
 

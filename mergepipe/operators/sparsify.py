@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import torch
 
+from mergepipe.lazy import torch
 from mergepipe.operators.base import TensorContext
 from mergepipe.operators.draws import bernoulli_keep_mask, block_keep_mask, block_seed  # noqa: F401 (part of this module's face)
 

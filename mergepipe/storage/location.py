@@ -54,6 +54,15 @@ def normalize(uri: str) -> str:
     return f"{proto}://{'/'.join(parts)}"
 
 
+def trailing_names(uri: str) -> list[str]:
+    """A location's candidate display names, shortest first: its last part, its last two parts, …,
+    then the whole location (s3://bucket/runs/math -> math, runs/math, bucket/runs/math, the uri)."""
+    scheme, sep, rest = uri.rpartition("://")
+    parts = [p for p in rest.split("/") if p]
+    names = ["/".join(parts[-n:]) for n in range(1, len(parts) + 1)]
+    return [*names, uri] if names[-1:] != [uri] else names
+
+
 def inside(child: str, parent: str) -> bool:
     """Whether `child` is `parent` or lies under it (remote URIs, compared as keys)."""
     child, parent = normalize(child).rstrip("/"), normalize(parent).rstrip("/")

@@ -8,9 +8,8 @@ import math
 import struct
 from dataclasses import dataclass
 
-import torch
-
 from mergepipe.errors import BadInput
+from mergepipe.lazy import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is rejected unread
 
@@ -18,24 +17,28 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is reject
 @dataclass(frozen=True)
 class DType:
     name: str  # safetensors spelling
-    torch: torch.dtype
+    torch_name: str
     itemsize: int
     is_float: bool
+
+    @property
+    def torch(self) -> torch.dtype:
+        return getattr(torch, self.torch_name)
 
 
 DTYPES: dict[str, DType] = {
     d.name: d
     for d in (
-        DType("F64", torch.float64, 8, True),
-        DType("F32", torch.float32, 4, True),
-        DType("F16", torch.float16, 2, True),
-        DType("BF16", torch.bfloat16, 2, True),
-        DType("I64", torch.int64, 8, False),
-        DType("I32", torch.int32, 4, False),
-        DType("I16", torch.int16, 2, False),
-        DType("I8", torch.int8, 1, False),
-        DType("U8", torch.uint8, 1, False),
-        DType("BOOL", torch.bool, 1, False),
+        DType("F64", "float64", 8, True),
+        DType("F32", "float32", 4, True),
+        DType("F16", "float16", 2, True),
+        DType("BF16", "bfloat16", 2, True),
+        DType("I64", "int64", 8, False),
+        DType("I32", "int32", 4, False),
+        DType("I16", "int16", 2, False),
+        DType("I8", "int8", 1, False),
+        DType("U8", "uint8", 1, False),
+        DType("BOOL", "bool", 1, False),
     )
 }
 # Config dtype names (mergekit's) to safetensors names.

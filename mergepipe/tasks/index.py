@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from mergepipe.catalog import db, ingest
 from mergepipe.index.family import Family, load_family
 from mergepipe.index.stats import STATS_FORMAT, StatsResult, compute_stats
@@ -14,10 +11,11 @@ from mergepipe.index.tables import model_tables
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
-from mergepipe.tasks import STORAGE_RETRIES, progress
+from mergepipe.tasks import progress
+from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task
 
 
-@task(name="read-family-headers", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+@declare_task("read-family-headers", **STORAGE_RETRIES)
 def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, list[dict]]:
     ledger = ByteLedger()
     with RangeReader(ledger) as reader:
@@ -25,7 +23,7 @@ def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, 
     return family, ledger.rows()
 
 
-@task(name="look-up-family", cache_policy=NO_CACHE)
+@declare_task("look-up-family")
 def look_up_family(family: Family, block_size: int, catalog: Path) -> tuple[set[str], dict[str, str], bool]:
     """Which experts are already indexed, the known content digests, and whether the base's block
     energies are known. Writes nothing: a family is recorded only with its statistics, so a pass
@@ -50,7 +48,7 @@ def stats_cache_key(context, parameters: dict) -> str:
     return "block-stats-" + digest_of(key)[:40]
 
 
-@task(name="compute-block-stats", cache_key_fn=stats_cache_key, persist_result=True, **STORAGE_RETRIES)
+@declare_task("compute-block-stats", cache_key_fn=stats_cache_key, **STORAGE_RETRIES)
 def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
     ledger = ByteLedger()
     total = sum(loc.info.nbytes for i in positions for loc in family.experts[i].tensors.values())
@@ -64,7 +62,7 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
     return result, ledger.rows()
 
 
-@task(name="ingest-block-stats", cache_policy=NO_CACHE)
+@declare_task("ingest-block-stats")
 def ingest_block_stats(
     family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: Path
 ) -> None:

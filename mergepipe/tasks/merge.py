@@ -7,9 +7,6 @@ import os
 import socket
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from mergepipe.catalog import db, records
 from mergepipe.config.environment import spool_dir
 from mergepipe.config.spec import storage_options_of
@@ -21,10 +18,11 @@ from mergepipe.publish.manifest import build_manifest, write_manifest, write_out
 from mergepipe.storage import writer
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
-from mergepipe.tasks import STORAGE_RETRIES, progress
+from mergepipe.tasks import progress
+from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task
 
 
-@task(name="stage-output", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+@declare_task("stage-output", **STORAGE_RETRIES)
 def stage_output(plan_dir: str, out: str) -> str:
     """The staging folder, named by the plan: a merge run again after a crash keeps what its
     first run staged."""
@@ -34,7 +32,7 @@ def stage_output(plan_dir: str, out: str) -> str:
     return str(staging)
 
 
-@task(name="merge-layer-group", task_run_name="merge-layer-group[{group}]", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+@declare_task("merge-layer-group", task_run_name="merge-layer-group[{group}]", **STORAGE_RETRIES)
 def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str | None = None) -> dict:
     """Merge one group of tensors into the staged output and mark it done with its result: the
     ledger rows, the hash of the bytes written and the worker. A run resumed after a crash takes
@@ -50,7 +48,7 @@ def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str
     return result
 
 
-@task(name="write-output-files", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+@declare_task("write-output-files", **STORAGE_RETRIES)
 def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
     """Index, sidecars, access set and checksums; first, a check that no input changed while
     its bytes were being read (a merge of two versions of a file is never published)."""
@@ -66,7 +64,7 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
     return output, ledger.rows()
 
 
-@task(name="publish-output", cache_policy=NO_CACHE, **STORAGE_RETRIES)
+@declare_task("publish-output", **STORAGE_RETRIES)
 def publish_output(
     plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
 ) -> tuple[dict, list[dict]]:
@@ -89,7 +87,7 @@ def publish_output(
     return manifest, ledger.rows()
 
 
-@task(name="record-run", cache_policy=NO_CACHE)
+@declare_task("record-run")
 def record_run(catalog: Path, run_row: dict, manifest_json: str) -> None:
     with db.connect(catalog) as con:
         records.record_run(con, run_row, manifest_json)

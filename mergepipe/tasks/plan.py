@@ -4,18 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from mergepipe.config.environment import plans_root
 from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
 from mergepipe.plan import saved
 from mergepipe.plan.choose import choose_plan
 from mergepipe.plan.record import Plan
+from mergepipe.tasks.declare import declare_task
 
 
-@task(name="plan-merge", cache_policy=NO_CACHE)
+@declare_task("plan-merge")
 def plan_merge(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, refuse_empty: bool = True
 ) -> tuple[Plan, list[dict], str, list[str]]:

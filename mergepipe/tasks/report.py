@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import task
-from prefect.cache_policies import NO_CACHE
-
 from mergepipe.publish.deviation import deviation
+from mergepipe.tasks.declare import declare_task
 
 
-@task(name="measure-deviation", cache_policy=NO_CACHE)
+@declare_task("measure-deviation")
 def measure_deviation(merged: str, full: str, base: str) -> dict:
     """‖θ̂ − θ_full‖ of one output against the full-budget output (a full read of all three)."""
     return deviation(merged, full, base)
