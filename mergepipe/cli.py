@@ -41,6 +41,11 @@ BudgetOpt = typer.Option(
 AllowEmptyOpt = typer.Option(
     False, "--allow-empty", help="Merge even when the budget admits no expert block (the output is then the base)."
 )
+MemoryOpt = typer.Option(
+    None,
+    "--memory",
+    help="Memory the merge may hold, all threads together (512MiB, 8GiB); default: the config's memory, else half the RAM.",
+)
 RunnerOpt = typer.Option("thread", "--runner", help="Where layer tasks run: thread, or dask.")
 DaskAddressOpt = typer.Option(
     None, "--dask-address", help="Scheduler of an existing Dask cluster (with --runner dask); default: a local cluster."
@@ -140,6 +145,8 @@ def _print_merge(result: dict, title: str) -> None:
     )
     t.add_row("error bound ‖θ̂−θ_full‖_F", bound)
     t.add_row("wall time", f"{result['wall_seconds']:.2f} s")
+    mem = result["memory"]
+    t.add_row("memory", f"predicted peak {_mib(mem['predicted_peak'])} of {_mib(mem['memory_budget'])}")
     out_console.print(t)
 
 
@@ -171,13 +178,16 @@ def plan(
     budget: Optional[str] = BudgetOpt,
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     allow_empty: bool = AllowEmptyOpt,
+    memory: Optional[str] = MemoryOpt,
     catalog: Optional[Path] = CatalogOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
 
     def go() -> dict:
-        args = dict(budget=budget, max_error=max_error, catalog=_catalog(catalog), allow_empty=allow_empty)
+        args = dict(
+            budget=budget, max_error=max_error, catalog=_catalog(catalog), allow_empty=allow_empty, memory=memory
+        )
         _request(config, **args)
         from mergepipe.flows.merge import plan as plan_flow
         from mergepipe.flows.orchestration import run_flow
@@ -203,6 +213,12 @@ def plan(
         f"(full {_mib(result['full_expert_bytes'])}); error bound {result['error_bound']:.6g}"
         + ("" if result["bound_guaranteed"] else " (heuristic)")
     )
+    mem = result["memory"]
+    if "predicted_peak" in mem:
+        out_console.print(
+            f"memory: predicted peak {_mib(mem['predicted_peak'])} of budget {_mib(mem['memory_budget'])}, "
+            f"{mem['workers']} layer group(s) at once (largest tensor {mem['largest_tensor']})"
+        )
 
 
 @app.command()
@@ -213,6 +229,7 @@ def merge(
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     allow_empty: bool = AllowEmptyOpt,
+    memory: Optional[str] = MemoryOpt,
     catalog: Optional[Path] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
@@ -230,6 +247,7 @@ def merge(
             runner=runner,
             dask_address=dask_address,
             allow_empty=allow_empty,
+            memory=memory,
         )
         _request(config, **args)
         from mergepipe.flows.merge import merge as merge_flow
@@ -312,6 +330,7 @@ def replay(
     manifest: str = typer.Argument(..., help="A manifest file, or the output folder (or s3:// prefix) holding it."),
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
+    memory: Optional[str] = MemoryOpt,
     catalog: Optional[Path] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
@@ -334,6 +353,7 @@ def replay(
             catalog=_catalog(catalog),
             runner=runner,
             dask_address=dask_address,
+            memory=memory,
         )
 
     result = run_command(go)

@@ -35,6 +35,24 @@ def results_dir() -> Path:
     return home() / "results"
 
 
+def machine_memory() -> int:
+    """Bytes of memory this process may use: the machine's RAM, or its cgroup's limit if lower."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit.isdigit():
+            total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def default_memory() -> int:
+    """The memory budget when neither --memory nor the config's `memory` gives one: half of
+    what the machine (or cgroup) has, leaving the rest to the page cache and other processes."""
+    return machine_memory() // 2
+
+
 def worker_count() -> int:
     """MERGEPIPE_WORKERS: layer groups merged at once (default 2)."""
     return max(1, int(os.environ.get("MERGEPIPE_WORKERS", "2")))

@@ -10,8 +10,8 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mergepipe.config.environment import catalog_path
-from mergepipe.config.sizes import parse_budget
+from mergepipe.config.environment import catalog_path, default_memory
+from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import MergeSpec, check_parameters, load_spec
 from mergepipe.errors import BadInput
 from mergepipe.storage.location import set_storage_options
@@ -50,6 +50,7 @@ class MergeRequest:
     out: str | None = None
     overwrite: bool = False
     runner: Runner = Runner()
+    memory: int = 0  # the memory budget in bytes (--memory, the config's memory, or the default)
 
     @property
     def options_from(self) -> str | None:
@@ -79,6 +80,7 @@ def build_request(
     dask_address: str | None = None,
     run_date: date | datetime | None = None,
     allow_empty: bool = False,
+    memory: str | None = None,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). `budget` or `max_error` replaces the
@@ -88,6 +90,7 @@ def build_request(
         raise BadInput("--budget and --max-error: give one, not both")
     if budget is not None:
         parse_budget(budget, key="--budget")
+    memory_bytes = None if memory is None else parse_size(memory, key="--memory")
     resolved_runner = check_runner(runner, dask_address)
     if isinstance(config, MergeSpec):
         spec, location = config, None
@@ -110,4 +113,6 @@ def build_request(
         destination = check_destination(
             with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris]
         )
-    return MergeRequest(spec, location, catalog_path(catalog), destination, overwrite, resolved_runner)
+    if memory_bytes is None:
+        memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()
+    return MergeRequest(spec, location, catalog_path(catalog), destination, overwrite, resolved_runner, memory_bytes)

@@ -145,6 +145,9 @@ class MergeSpec(_Strict):
     # Merge even when the budget admits no expert block (the output is then the base, cast): a
     # budget without room for one block is refused by default, as a mistake. A permission too.
     allow_empty: bool = False
+    # The merge process's memory budget (a size; default: config.environment.default_memory).
+    # Tensors are merged in row slabs sized from it. It changes no byte of the output.
+    memory: str | int | None = None
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -152,6 +155,7 @@ class MergeSpec(_Strict):
     _budget: Budget = PrivateAttr()
     _block_size: int = PrivateAttr()
     _out_shard_size: int = PrivateAttr()
+    _memory: int | None = PrivateAttr()
 
     @model_validator(mode="before")
     @classmethod
@@ -199,6 +203,7 @@ class MergeSpec(_Strict):
         self._budget = parse_budget(self.budget)
         self._block_size = parse_size(self.block_size, key="block_size")
         self._out_shard_size = parse_size(self.out_shard_size, key="out_shard_size")
+        self._memory = None if self.memory is None else parse_size(self.memory, key="memory")
         if self._block_size <= 0:
             raise ValueError("block_size must be positive")
         if self._out_shard_size <= 0:
@@ -213,6 +218,11 @@ class MergeSpec(_Strict):
     @property
     def block_size_bytes(self) -> int:
         return self._block_size
+
+    @property
+    def memory_bytes(self) -> int | None:
+        """The config's memory budget, if it gives one."""
+        return self._memory
 
     @property
     def out_shard_size_bytes(self) -> int:
@@ -250,10 +260,10 @@ class MergeSpec(_Strict):
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
-        no storage options (they may hold credentials), no allow_nonfinite, allow_empty or
+        no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory or
         tokenizer_source (they change no byte: the base's tokenizer files are copied either way). rank_by enters
         only when it is not the default, so digests from before it existed still hold."""
-        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "tokenizer_source"} | (
+        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "memory", "tokenizer_source"} | (
             {"rank_by"} if self.rank_by == "delta" else set()
         )
         data = self.model_dump(by_alias=True, exclude=exclude)

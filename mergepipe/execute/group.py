@@ -4,6 +4,7 @@ operator in fp32, and write the result at its precomputed place in the staged ou
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mergepipe.execute.experts import LazyExperts
+from mergepipe.execute.memory import element_runs, slab_elements, tensor_need
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
 from mergepipe.lazy import torch
 from mergepipe.operators import TensorContext, get_operator
@@ -60,8 +62,12 @@ class TensorReads(NamedTuple):
 class GroupMerger:
     """Merges the tensors of one group. One instance per task; not shared across threads."""
 
-    def __init__(self, plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger) -> None:
+    def __init__(
+        self, plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger, per_group: int | None = None
+    ) -> None:
         self.plan = plan
+        # bytes this group's merge may hold (execute.memory); None: every tensor merged whole
+        self.per_group = per_group
         self.layout = layout
         self.staging = staging
         self.ledger = ledger
@@ -79,6 +85,7 @@ class GroupMerger:
 
     def run(self, group: str) -> int:
         names = self.layout.groups[group]
+        self.group = group
         wanted: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
         access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
         for e, t, b, r0, r1 in zip(
@@ -123,6 +130,10 @@ class GroupMerger:
         inputs are in an object store (where latency, not memory, is the cost) or when the
         operator walks the experts twice (TIES-style elections), so no byte is read twice."""
         name, runs, requests = reads.name, reads.runs, reads.experts
+        if self.per_group is not None:
+            need = tensor_need(self.plan, self.layout, self.group, name)
+            if need.streams and need.whole > self.per_group:
+                return self._merge_streamed(reads, slab_elements(need, self.per_group))
         _, dtype, shape, _ = self.plan.inputs[0].tensors[name]
         dt = DTYPES[dtype]
         out = self.layout.tensors[name]
@@ -169,6 +180,60 @@ class GroupMerger:
         self.written.update(data)
         write_at(out_path, out.start, data, self.ledger)
 
+    def _merge_streamed(self, reads: TensorReads, slab: int) -> None:
+        """An elementwise operator's merge of a large tensor, a run of at most `slab` elements
+        at a time: the base's elements of the run, each expert's planned elements within it,
+        merged and written at the run's place in the output. Each element goes through the same
+        operations as in the whole-tensor merge, so the bytes are the same."""
+        name = reads.name
+        t = self.plan.inputs[0].tensors[name]
+        dt = DTYPES[t.dtype]
+        out = self.layout.tensors[name]
+        out_path, out_size = self.staging / out.shard, DTYPES[out.dtype].itemsize
+        out_dtype = DTYPES[out.dtype].torch
+        n_rows = t.shape[0] if t.shape else 1
+        width = math.prod(t.shape[1:])
+        params = self.params.for_tensor(name)
+        plain = self.compute_dtype in (None, dt.torch)
+        k_experts = len(self.plan.inputs) - 1
+        planned = {k: [(r0 * width, r1 * width) for r0, r1 in rr] for k, rr in reads.runs.items()}
+        for e0, e1 in element_runs(n_rows, width, slab):
+            view = width if width <= e1 - e0 else e1 - e0  # whole rows, or a piece of one row
+            base = ReadRequest(
+                reads.base.path, [(t.start + e0 * dt.itemsize, t.start + e1 * dt.itemsize)], "base", "base", t.file
+            )
+            pieces: dict[int, list[tuple[int, int]]] = {}
+            requests = []
+            for k, runs in planned.items():
+                inside = [(max(a, e0), min(b, e1)) for a, b in runs if a < e1 and b > e0]
+                if inside:
+                    x = self.plan.inputs[k + 1].tensors[name]
+                    size = DTYPES[x.dtype].itemsize
+                    pieces[k] = inside
+                    requests.append(
+                        ReadRequest(
+                            reads.experts[k].path,
+                            [(x.start + a * size, x.start + b * size) for a, b in inside],
+                            "expert",
+                            self.plan.inputs[k + 1].role,
+                            x.file,
+                        )
+                    )
+            (raw,), *expert_raws = self.reader.read_batch([base, *requests])
+            stored = decode(raw, t.dtype, ((e1 - e0) // view, view))
+            rows: dict[int, ExpertRows] = {}
+            for k, raws in zip(pieces, expert_raws):
+                dtype = self.plan.inputs[k + 1].tensors[name].dtype
+                rows[k] = [
+                    (((a - e0) // view, (b - e0) // view), decode(r, dtype, ((b - a) // view, view)))
+                    for (a, b), r in zip(pieces[k], raws)
+                ]
+            experts = LazyExperts(self._to_compute(stored), rows.get, k_experts, self._to_compute, stored, widens=plain)
+            ctx = TensorContext(name, ((0, stored.shape[0]),), self.seed, base_reusable=True)
+            data = encode(self.op.merge(experts.base, experts, params, ctx).to(out_dtype))
+            self.written.update(data)
+            write_at(out_path, out.start + e0 * out_size, data, self.ledger)
+
     def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
         """Adjacent planned blocks were coalesced into runs of rows: one range per run."""
         inp = self.plan.inputs[k + 1]
@@ -193,11 +258,12 @@ def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]
     return [(layout.tensors[n].shard, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
 
 
-def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path) -> dict:
-    """Merge one group into the staged output. Returns the ledger rows of what it read and
-    wrote, and the SHA-256 of the bytes it wrote."""
+def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path, per_group: int | None = None) -> dict:
+    """Merge one group into the staged output, holding at most about per_group bytes (None: no
+    limit). Returns the ledger rows of what it read and wrote, and the SHA-256 of the bytes it
+    wrote."""
     ledger = ByteLedger()
-    merger = GroupMerger(plan, layout, staging, ledger)
+    merger = GroupMerger(plan, layout, staging, ledger, per_group)
     merger.run(group)
     return {"rows": ledger.rows(), "sha256": merger.written.hexdigest()}
 

@@ -16,6 +16,7 @@ from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import finished_group
+from mergepipe.execute.memory import MemoryPlan, plan_memory
 from mergepipe.flows.artifacts import summary_artifact
 from mergepipe.flows.executor import run_groups
 from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
@@ -151,7 +152,7 @@ class _GroupResults:
         self.rep.advance("read", sum(r["bytes"] for r in rows if r["role"] in ("base", "expert")))
 
 
-def _merge_groups(ex: Execution, staging: str, results: _GroupResults) -> None:
+def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: MemoryPlan) -> None:
     """Every layer group as its own task; a group an earlier run of this plan finished (a crash
     left its staging folder) is taken over while its mark and staged bytes are intact."""
     _, layout = saved.load(ex.plan_dir)
@@ -168,12 +169,18 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults) -> None:
             else:
                 todo.append(g)
         params = [
-            {"plan_dir": ex.plan_dir, "group": g, "staging": staging, "options_from": ex.request.options_from}
+            {
+                "plan_dir": ex.plan_dir,
+                "group": g,
+                "staging": staging,
+                "options_from": ex.request.options_from,
+                "memory": memory.per_group,
+            }
             for g in todo
         ]
         with (
-            torch_threads_per_worker(worker_count()),
-            run_groups(params, ex.request.runner, worker_count()) as finished,
+            torch_threads_per_worker(memory.workers),
+            run_groups(params, ex.request.runner, memory.workers) as finished,
         ):
             for group, result in finished:
                 results.add(group, result, False)
@@ -188,13 +195,15 @@ def execute_plan(ex: Execution) -> dict:
     The execution ledger is kept apart from the index ledger (headers, and statistics of
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     plan, request, out = ex.plan, ex.request, ex.request.out
+    # Refused before anything is staged or read when even one group at a time cannot fit.
+    memory = plan_memory(plan, saved.load(ex.plan_dir)[1], request.memory, worker_count())
     staging = run_task(stage_output, ex.plan_dir, out)
     results = _GroupResults(progress.reporter())
     ledger, resumed = results.ledger, results.resumed
-    runner = describe(request.runner, worker_count())
+    runner = describe(request.runner, memory.workers)
     try:
         t_merge = time.perf_counter()
-        _merge_groups(ex, staging, results)
+        _merge_groups(ex, staging, results, memory)
         ex.timings["merge"] = time.perf_counter() - t_merge
         t_finish = time.perf_counter()
         output, rows = run_task(finish_output, ex.plan_dir, staging)
@@ -224,6 +233,7 @@ def execute_plan(ex: Execution) -> dict:
             "runner": runner,
             "workers": dict(sorted(results.workers.items())),
             "timings": ex.timings,
+            "memory": memory.as_json(),
         }
         manifest, rows = run_task(
             publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest
@@ -257,6 +267,7 @@ def execute_plan(ex: Execution) -> dict:
         "kind": ex.kind,
         "digest": manifest["digest"],
         "plan_digest": plan.plan_digest,
+        "plan_dir": ex.plan_dir,
         "out": out,
         "manifest": join(out, MANIFEST_FILE),
         "merge_method": plan.merge_method,
@@ -274,6 +285,7 @@ def execute_plan(ex: Execution) -> dict:
         "pairs": plan.n_pairs,
         "wall_seconds": time.perf_counter() - ex.t0,
         "timings": ex.timings,
+        "memory": memory.as_json(),
         "flow_run_id": flow_run_id(),
     }
     summary_artifact(result)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import time
 
+from mergepipe.config.environment import worker_count
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import MergeSpec
+from mergepipe.errors import BadInput
+from mergepipe.execute.memory import plan_memory
 from mergepipe.flows.artifacts import plan_artifact
 from mergepipe.flows.common import Execution, execute_plan, now, run_index
 from mergepipe.flows.orchestration import declare_flow, run_task
+from mergepipe.plan import saved
 from mergepipe.tasks.plan import plan_merge
 
 
@@ -26,14 +30,22 @@ def plan(
     max_error: float | None = None,
     catalog: str | None = None,
     allow_empty: bool = False,
+    memory: str | None = None,
 ) -> dict:
-    """A budget that admits no expert block is a warning here (a merge refuses it)."""
-    request = build_request(config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty)
+    """A budget that admits no expert block is a warning here (a merge refuses it), and so is a
+    memory budget too small for the merge. `memory`: the merge process's budget (a size)."""
+    request = build_request(
+        config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty, memory=memory
+    )
     outcome = run_index(request.spec, request.catalog)
     p, explain, plan_dir, warnings = run_task(
         plan_merge, request.spec, outcome.family, outcome.content, request.catalog, refuse_empty=False
     )
-    result = {**plan_result(p, request.spec, explain, plan_dir), "warnings": warnings}
+    try:  # a merge refuses a budget its largest tensor cannot fit; a plan says so
+        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count()).as_json()
+    except BadInput as err:
+        mem, warnings = {"memory_budget": request.memory}, [*warnings, str(err)]
+    result = {**plan_result(p, request.spec, explain, plan_dir), "memory": mem, "warnings": warnings}
     plan_artifact(result)
     return result
 
@@ -70,10 +82,13 @@ def merge(
     runner: str = "thread",
     dask_address: str | None = None,
     allow_empty: bool = False,
+    memory: str | None = None,
 ) -> dict:
     """runner: "thread" (the flow's thread pool) or "dask" (layer groups on the Dask cluster at
     dask_address, or on a local cluster). `{date}` in out becomes the run's scheduled date.
-    allow_empty: merge even when the budget admits no expert block (the output is the base)."""
+    allow_empty: merge even when the budget admits no expert block (the output is the base).
+    memory: the process's memory budget, a size such as 8GiB (default: the config's `memory`,
+    else half the machine's memory)."""
     t0 = time.perf_counter()
     started = now()
     request = build_request(
@@ -87,6 +102,7 @@ def merge(
         dask_address=dask_address,
         run_date=scheduled_date() if "{date}" in out else None,
         allow_empty=allow_empty,
+        memory=memory,
     )
     outcome = run_index(request.spec, request.catalog)
     t_plan = time.perf_counter()

@@ -24,6 +24,7 @@ def replay(
     catalog: str | None = None,
     runner: str = "thread",
     dask_address: str | None = None,
+    memory: str | None = None,
 ) -> dict:
     t0 = time.perf_counter()
     started = now()
@@ -34,7 +35,7 @@ def replay(
     content, run = recorded["content"], recorded["run"]
     spec = validate_spec(run["spec"], source=manifest_uri(manifest))
     request = build_request(
-        spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address
+        spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address, memory=memory
     )
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]

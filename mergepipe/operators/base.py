@@ -232,6 +232,10 @@ class Operator(ABC):
     expert_passes: ClassVar[int] = 1
     # merge_into can merge from a stored (not widened) base, slab by slab.
     has_slab_form: ClassVar[bool] = False
+    # Each output element depends only on the same element of the base and of each expert (no
+    # tensor-wide quantity, no per-block draw): the executor may merge any run of elements on
+    # its own, and streams large tensors through memory that way.
+    elementwise: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 

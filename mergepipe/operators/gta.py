@@ -91,6 +91,7 @@ class GeneralizedTaskArithmetic(Operator):
         # The plan's error bound (README, "Operators and budgets") holds only when the result is linear in each delta with
         # fixed coefficients: no sparsification, no sign election.
         self.additive = sparsify is no_sparsify and not consensus
+        self.elementwise = self.additive  # task_arithmetic: base + lambda * sum_i w_i delta_i (/ sum w)
 
     def check(self, params: MergeParams) -> tuple[str, int, str] | None:
         if self.declared("epsilon") is None:

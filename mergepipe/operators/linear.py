@@ -22,6 +22,7 @@ class Linear(Operator):
     needs_base = False  # mergekit's linear takes none; the first model is then the reference
     base_weighted = True
     zero_coefficient_unused = True
+    elementwise = True
 
     def _all_weights(self, params: MergeParams) -> list[float]:
         base_weight = params.base_value("weight")

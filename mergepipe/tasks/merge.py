@@ -33,17 +33,23 @@ def stage_output(plan_dir: str, out: str) -> str:
 
 
 @declare_task("merge-layer-group", task_run_name="merge-layer-group[{group}]", **STORAGE_RETRIES)
-def merge_layer_group(plan_dir: str, group: str, staging: str, options_from: str | None = None) -> dict:
+def merge_layer_group(
+    plan_dir: str, group: str, staging: str, options_from: str | None = None, memory: int | None = None
+) -> dict:
     """Merge one group of tensors into the staged output and mark it done with its result: the
     ledger rows, the hash of the bytes written and the worker. A run resumed after a crash takes
     the result from the mark (execute.group.finished_group) instead of running the group again.
 
     `options_from`: the config whose storage_options this process needs (a Dask worker has
-    not loaded it); its path travels, never the options. Read once per process, and only that key."""
+    not loaded it); its path travels, never the options. Read once per process, and only that key.
+    `memory`: the bytes this group's merge may hold (execute.memory.plan_memory)."""
     if options_from is not None and not storage_options_set():
         set_storage_options(storage_options_of(options_from))
     plan, layout = saved.load(plan_dir)
-    result = {**merge_group(plan, layout, group, Path(staging)), "worker": f"{socket.gethostname()}:{os.getpid()}"}
+    result = {
+        **merge_group(plan, layout, group, Path(staging), memory),
+        "worker": f"{socket.gethostname()}:{os.getpid()}",
+    }
     writer.mark_group_done(Path(staging), group, result)
     return result
 

@@ -1,0 +1,137 @@
+"""The memory a merge holds, predicted from its plan, and how it is kept under a budget: how
+many layer groups run at once, and the runs of elements a large tensor is merged in.
+
+The prediction counts the buffers the executor and the operators allocate per element of a
+tensor merged at once (the stored base and its fp32 form, the operator's fp32 work buffers, the
+experts' stored rows, the output), plus a fixed allowance for the process itself. It is an
+estimate, checked against measurements in docs/benchmarks.md, not a limit the allocator enforces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mergepipe.errors import BadInput
+from mergepipe.operators import get_operator
+from mergepipe.plan.output import OutputLayout
+from mergepipe.plan.record import Plan
+from mergepipe.storage.safetensors_format import DTYPES
+
+# The interpreter, torch, DuckDB, Arrow and their pools, before any tensor is held.
+PROCESS_BYTES = 768 << 20
+# The smallest run of elements a streamed tensor is merged in: below it, per-run overheads
+# (a read per expert, a write) dominate.
+MIN_SLAB_ELEMENTS = 1 << 16
+
+
+@dataclass(frozen=True)
+class TensorNeed:
+    name: str
+    group: str
+    numel: int
+    per_element: int  # bytes held per element merged at once
+    streams: bool  # the operator may merge it a run of elements at a time
+
+    @property
+    def whole(self) -> int:
+        return self.numel * self.per_element
+
+    @property
+    def least(self) -> int:
+        """The least this tensor's merge can hold."""
+        return min(self.numel, MIN_SLAB_ELEMENTS) * self.per_element if self.streams else self.whole
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget: int
+    workers: int  # layer groups merged at once
+    per_group: int  # bytes one group's merge may hold
+    predicted_peak: int  # the process, with `workers` groups at their largest tensors
+    largest: TensorNeed | None  # the tensor that needs the most when merged as it will be
+
+    def as_json(self) -> dict:
+        return {
+            "memory_budget": self.budget,
+            "workers": self.workers,
+            "per_group_bytes": self.per_group,
+            "predicted_peak": self.predicted_peak,
+            "largest_tensor": self.largest.name if self.largest else None,
+        }
+
+
+def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str) -> TensorNeed:
+    op = get_operator(plan.merge_method)
+    t = plan.inputs[0].tensors[name]
+    dt = DTYPES[t.dtype]
+    if not dt.is_float:  # copied as stored
+        return TensorNeed(name, group, math.prod(t.shape), dt.itemsize, False)
+    k = len(plan.inputs) - 1
+    # fp32 buffers the operator works in: an elementwise sum keeps an accumulator and one
+    # expert's widened rows; the others keep more (an election keeps deltas of every expert).
+    work = 2 if op.elementwise else 3 + (k if op.expert_passes > 1 else 1)
+    experts = sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
+    per = dt.itemsize + 4 + 4 * work + experts + DTYPES[layout.tensors[name].dtype].itemsize
+    return TensorNeed(name, group, math.prod(t.shape), per, op.elementwise)
+
+
+def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
+    return [tensor_need(plan, layout, g, name) for g, names in layout.groups.items() for name in names]
+
+
+def held(need: TensorNeed, per_group: int) -> int:
+    """What merging this tensor holds when a group may hold per_group bytes."""
+    if need.whole <= per_group or not need.streams:
+        return need.whole
+    return slab_elements(need, per_group) * need.per_element
+
+
+def slab_elements(need: TensorNeed, per_group: int) -> int:
+    """Elements merged at once for a tensor streamed under per_group bytes."""
+    return max(MIN_SLAB_ELEMENTS, per_group // need.per_element)
+
+
+def element_runs(n_rows: int, width: int, slab: int) -> list[tuple[int, int]]:
+    """A tensor's elements (n_rows rows of `width`, as stored) in runs of at most `slab`:
+    whole rows while a row fits, else pieces of one row."""
+    if width <= slab:
+        step = slab // width
+        return [(r * width, min(n_rows, r + step) * width) for r in range(0, n_rows, step)]
+    return [(r * width + c, r * width + min(width, c + slab)) for r in range(n_rows) for c in range(0, width, slab)]
+
+
+def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int) -> MemoryPlan:
+    """The most groups at once (up to `workers`) whose merges fit the budget together, or
+    BadInput naming the tensor that cannot fit at all."""
+    needs = tensor_needs(plan, layout)
+    if not needs:
+        return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None)
+    hardest = max(needs, key=lambda n: n.least)
+    if PROCESS_BYTES + hardest.least > budget:
+        how = "in runs of rows" if hardest.streams else f"whole ({plan.merge_method} needs the whole tensor at once)"
+        raise BadInput(
+            f"memory budget {_gib(budget)} is too small: tensor {hardest.name!r} merged {how} needs "
+            f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES)}; give --memory "
+            f"{_gib(PROCESS_BYTES + hardest.least, up=True)} or more"
+        )
+    workers = max(1, min(workers, len(layout.groups)))
+    while True:
+        per_group = (budget - PROCESS_BYTES) // workers
+        if workers == 1 or all(n.streams or n.whole <= per_group for n in needs):
+            break
+        workers -= 1
+    by_group: dict[str, int] = {}
+    for n in needs:
+        by_group[n.group] = max(by_group.get(n.group, 0), held(n, per_group))
+    peaks = sorted(by_group.values(), reverse=True)[:workers]
+    largest = max(needs, key=lambda n: held(n, per_group))
+    return MemoryPlan(budget, workers, per_group, PROCESS_BYTES + sum(peaks), largest)
+
+
+def _gib(n: int, up: bool = False) -> str:
+    """A size for a message: MiB below a GiB, else GiB to a tenth (rounded up with `up`)."""
+    if n < 2**30:
+        return f"{math.ceil(n / 2**20) if up else n / 2**20:.0f}MiB" if up else f"{n / 2**20:.1f}MiB"
+    gib = math.ceil(n / 2**30 * 10) / 10 if up else n / 2**30
+    return f"{gib:.1f}GiB"
