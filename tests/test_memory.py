@@ -72,12 +72,24 @@ def test_a_budget_too_small_is_refused_before_reading_and_plan_says_so(
 ):
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.5)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
-    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*ties needs the whole tensor"):
+    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*ties holds the whole tensor"):
         merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog, memory="64KiB")
     assert not (tmp_path / "out").exists()
     r = runner.invoke(app, ["plan", str(cfg), "--memory", "64KiB", "--json", "--catalog", session_catalog])
     assert r.exit_code == 0, r.output
     assert any("embed_tokens" in w and "too small" in w for w in json.loads(r.stdout)["warnings"])
+
+
+def test_the_default_budget_warns_instead_of_refusing(bf16_family, tmp_path, session_catalog, monkeypatch):
+    """The prediction is an estimate: a merge that does not fit the default budget (half the
+    machine's memory) goes ahead, one group at a time, and says so."""
+    from mergepipe.config import request
+
+    cfg = config_for(tmp_path, bf16_family, "ties", density=0.5)
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(request, "default_memory", lambda: 64 << 10)
+    r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert r["memory"]["workers"] == 1 and "embed_tokens" in r["memory"]["warning"]
 
 
 def test_groups_that_must_be_held_whole_run_one_at_a_time_when_two_do_not_fit(

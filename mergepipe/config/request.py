@@ -51,6 +51,7 @@ class MergeRequest:
     overwrite: bool = False
     runner: Runner = Runner()
     memory: int = 0  # the memory budget in bytes (--memory, the config's memory, or the default)
+    memory_given: bool = False  # by --memory or the config, not the default
 
     @property
     def options_from(self) -> str | None:
@@ -113,6 +114,9 @@ def build_request(
         destination = check_destination(
             with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris]
         )
+    given = memory_bytes is not None or spec.memory_bytes is not None
     if memory_bytes is None:
         memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()
-    return MergeRequest(spec, location, catalog_path(catalog), destination, overwrite, resolved_runner, memory_bytes)
+    return MergeRequest(
+        spec, location, catalog_path(catalog), destination, overwrite, resolved_runner, memory_bytes, given
+    )

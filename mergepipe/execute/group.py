@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mergepipe.execute.experts import LazyExperts
-from mergepipe.execute.memory import element_runs, slab_elements, tensor_need
+from mergepipe.execute.memory import WHOLE_BASE_BYTES, element_runs, slab_elements, tensor_need
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
 from mergepipe.lazy import torch
 from mergepipe.operators import TensorContext, get_operator
@@ -32,10 +32,9 @@ from mergepipe.storage.writer import group_record, write_at
 # evict them.
 PREFETCH_TENSORS = 2
 
-# A base tensor up to this size in fp32 is widened once for its merge. A larger one (an
+# A base tensor up to WHOLE_BASE_BYTES in fp32 is widened once for its merge. A larger one (an
 # embedding) stays as stored when the operator has a slab form (merge_into): each slab is
 # widened in each pass instead, which cost no time and saves the fp32 copy and the output's.
-WHOLE_BASE_BYTES = 64 << 20
 
 
 def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor:

@@ -18,6 +18,8 @@ from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.safetensors_format import DTYPES
 
+# A base tensor up to this many fp32 bytes is widened whole by the slab forms (execute.group).
+WHOLE_BASE_BYTES = 64 << 20
 # The interpreter, torch, DuckDB, Arrow and their pools, before any tensor is held.
 PROCESS_BYTES = 768 << 20
 # The smallest run of elements a streamed tensor is merged in: below it, per-run overheads
@@ -50,6 +52,7 @@ class MemoryPlan:
     per_group: int  # bytes one group's merge may hold
     predicted_peak: int  # the process, with `workers` groups at their largest tensors
     largest: TensorNeed | None  # the tensor that needs the most when merged as it will be
+    warning: str | None = None  # the prediction exceeds a budget that was not given explicitly
 
     def as_json(self) -> dict:
         return {
@@ -58,6 +61,7 @@ class MemoryPlan:
             "per_group_bytes": self.per_group,
             "predicted_peak": self.predicted_peak,
             "largest_tensor": self.largest.name if self.largest else None,
+            "warning": self.warning,
         }
 
 
@@ -67,13 +71,17 @@ def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str) -> Tens
     dt = DTYPES[t.dtype]
     if not dt.is_float:  # copied as stored
         return TensorNeed(name, group, math.prod(t.shape), dt.itemsize, False)
-    k = len(plan.inputs) - 1
-    # fp32 buffers the operator works in: an elementwise sum keeps an accumulator and one
-    # expert's widened rows; the others keep more (an election keeps deltas of every expert).
-    work = 2 if op.elementwise else 3 + (k if op.expert_passes > 1 else 1)
-    experts = sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
-    per = dt.itemsize + 4 + 4 * work + experts + DTYPES[layout.tensors[name].dtype].itemsize
-    return TensorNeed(name, group, math.prod(t.shape), per, op.elementwise)
+    numel = math.prod(t.shape)
+    # Every form holds the stored base, the experts' stored rows and the output.
+    per = dt.itemsize + sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
+    per += DTYPES[layout.tensors[name].dtype].itemsize
+    if op.elementwise:  # the fp32 base, an accumulator and one expert's widened rows
+        per += 4 * 3
+    elif op.has_slab_form:  # fp32 only per slab (slabs.py), the fp32 base when it is small
+        per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
+    else:  # whole fp32 tensors: the base, an accumulator, one expert, the result
+        per += 4 * 4
+    return TensorNeed(name, group, numel, per, op.elementwise)
 
 
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
@@ -101,20 +109,25 @@ def element_runs(n_rows: int, width: int, slab: int) -> list[tuple[int, int]]:
     return [(r * width + c, r * width + min(width, c + slab)) for r in range(n_rows) for c in range(0, width, slab)]
 
 
-def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int) -> MemoryPlan:
-    """The most groups at once (up to `workers`) whose merges fit the budget together, or
-    BadInput naming the tensor that cannot fit at all."""
+def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, given: bool = True) -> MemoryPlan:
+    """The most groups at once (up to `workers`) whose merges fit the budget together. Where
+    even one group cannot fit: BadInput naming the tensor when the budget was given (--memory,
+    the config, a deployment parameter), a warning when it is the default (the prediction is
+    an estimate, and a merge that fits today is not refused on it)."""
     needs = tensor_needs(plan, layout)
     if not needs:
         return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None)
     hardest = max(needs, key=lambda n: n.least)
+    warning = None
     if PROCESS_BYTES + hardest.least > budget:
-        how = "in runs of rows" if hardest.streams else f"whole ({plan.merge_method} needs the whole tensor at once)"
-        raise BadInput(
+        how = "in runs of rows" if hardest.streams else f"whole ({plan.merge_method} holds the whole tensor)"
+        problem = (
             f"memory budget {_gib(budget)} is too small: tensor {hardest.name!r} merged {how} needs "
-            f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES)}; give --memory "
-            f"{_gib(PROCESS_BYTES + hardest.least, up=True)} or more"
+            f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES)}"
         )
+        if given:
+            raise BadInput(f"{problem}; give --memory {_gib(PROCESS_BYTES + hardest.least, up=True)} or more")
+        warning = f"{problem} (the default budget, half of this machine's memory; the merge goes ahead)"
     workers = max(1, min(workers, len(layout.groups)))
     while True:
         per_group = (budget - PROCESS_BYTES) // workers
@@ -126,7 +139,7 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int) -> 
         by_group[n.group] = max(by_group.get(n.group, 0), held(n, per_group))
     peaks = sorted(by_group.values(), reverse=True)[:workers]
     largest = max(needs, key=lambda n: held(n, per_group))
-    return MemoryPlan(budget, workers, per_group, PROCESS_BYTES + sum(peaks), largest)
+    return MemoryPlan(budget, workers, max(0, per_group), PROCESS_BYTES + sum(peaks), largest, warning)
 
 
 def _gib(n: int, up: bool = False) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -34,6 +35,8 @@ from mergepipe.storage.location import join
 from mergepipe.tasks import progress
 from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
 from mergepipe.tasks.merge import finish_output, publish_output, record_run, stage_output
+
+log = logging.getLogger("mergepipe.flows")
 
 
 @contextmanager
@@ -196,7 +199,9 @@ def execute_plan(ex: Execution) -> dict:
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     plan, request, out = ex.plan, ex.request, ex.request.out
     # Refused before anything is staged or read when even one group at a time cannot fit.
-    memory = plan_memory(plan, saved.load(ex.plan_dir)[1], request.memory, worker_count())
+    memory = plan_memory(plan, saved.load(ex.plan_dir)[1], request.memory, worker_count(), request.memory_given)
+    if memory.warning:
+        log.warning(memory.warning)
     staging = run_task(stage_output, ex.plan_dir, out)
     results = _GroupResults(progress.reporter())
     ledger, resumed = results.ledger, results.resumed

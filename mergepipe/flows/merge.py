@@ -42,7 +42,8 @@ def plan(
         plan_merge, request.spec, outcome.family, outcome.content, request.catalog, refuse_empty=False
     )
     try:  # a merge refuses a budget its largest tensor cannot fit; a plan says so
-        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count()).as_json()
+        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given).as_json()
+        warnings = [*warnings, mem["warning"]] if mem["warning"] else warnings
     except BadInput as err:
         mem, warnings = {"memory_budget": request.memory}, [*warnings, str(err)]
     result = {**plan_result(p, request.spec, explain, plan_dir), "memory": mem, "warnings": warnings}
