@@ -101,3 +101,46 @@ def hardware_limit(read_plan: list[tuple[Path, int]], write_bytes: int, scratch:
         "write_seconds": t_write,
         "seconds": t_read + t_write,
     }
+
+
+@dataclass
+class Sampled:
+    seconds: float
+    peak_rss: int  # bytes: ru_maxrss, which counts clean pages of mapped files too
+    peak_anon: int  # bytes: the highest RssAnon seen (sampled), what the process itself allocated
+    stdout: str
+    stderr: str
+
+    def json(self) -> dict:
+        return json.loads(self.stdout)
+
+
+def run_sampled(cmd: list[str], env: dict | None = None, every: float = 0.02) -> Sampled:
+    """Run a command, sampling its anonymous resident memory (/proc/PID/status RssAnon) while
+    it runs; peak total RSS from wait4 when it ends."""
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        t0 = time.perf_counter()
+        p = subprocess.Popen([str(c) for c in cmd], env=env, stdout=out, stderr=err)
+        peak_anon = 0
+        status = f"/proc/{p.pid}/status"
+        while True:
+            pid, code, ru = os.wait4(p.pid, os.WNOHANG)
+            if pid:
+                break
+            try:
+                with open(status) as f:
+                    for line in f:
+                        if line.startswith("RssAnon:"):
+                            peak_anon = max(peak_anon, int(line.split()[1]) * 1024)
+                            break
+            except OSError:
+                pass
+            time.sleep(every)
+        seconds = time.perf_counter() - t0
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if os.waitstatus_to_exitcode(code) != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} failed ({code}):\n{stderr[-3000:]}")
+    return Sampled(seconds, ru.ru_maxrss * 1024, peak_anon, stdout, stderr)

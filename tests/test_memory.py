@@ -111,3 +111,60 @@ def test_memory_must_be_a_size(bf16_family, tmp_path, session_catalog):
     cfg.write_text(cfg.read_text() + "memory: lots\n")
     r = runner.invoke(app, ["plan", str(cfg), "--catalog", session_catalog])
     assert r.exit_code == 2 and "memory" in r.output, r.output
+
+
+def test_covering_cuts_a_run_into_covered_and_uncovered_stretches():
+    from mergepipe.execute.group import covering
+
+    assert covering(0, 10, []) == [(0, 10, False)]
+    assert covering(0, 10, [(0, 10)]) == [(0, 10, True)]
+    assert covering(0, 10, [(2, 4), (3, 6), (6, 7), (8, 9)]) == [
+        (0, 2, False),
+        (2, 7, True),
+        (7, 8, False),
+        (8, 9, True),
+        (9, 10, False),
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
+@pytest.mark.parametrize(
+    "lam,weights,normalize", [(1.0, [0.5, 0.3], True), (-0.7, [0.5, 0.3], False), (1.0, [0.5, -0.9], True)]
+)
+def test_base_bytes_where_no_delta_equal_the_formula_bit_for_bit(dtype, lam, weights, normalize):
+    """Signed zeros, subnormals, NaN with payloads, infinities and normal values: base + a zero
+    (whose sign depends on lambda and the weights' sum) cast back, as task arithmetic computes it."""
+    import numpy as np
+    import torch
+
+    from mergepipe.execute.experts import LazyExperts
+    from mergepipe.execute.group import base_bits
+    from mergepipe.operators import TensorContext, get_operator
+    from mergepipe.storage.safetensors_format import DTYPES, encode
+
+    uint = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32}[dtype]
+    special = {
+        "BF16": [0x0000, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7FC0, 0x7F81, 0xFFC1, 0x7FFF, 0x3F80, 0xBF80],
+        "F16": [0x0000, 0x8000, 0x0001, 0x83FF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE01, 0x7FFF, 0x3C00, 0xBC00],
+        "F32": [0, 0x80000000, 1, 0x807FFFFF, 0x7F800000, 0xFF800000, 0x7FC00000, 0x7F800001, 0xFFC00001, 0x3F800000],
+    }[dtype]
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([np.array(special, dtype=uint), rng.integers(0, np.iinfo(uint).max, 500, dtype=uint)])
+    base = torch.from_numpy(bits.copy()).view(DTYPES[dtype].torch).reshape(1, -1)
+    op = get_operator("task_arithmetic")
+    params = op.params(2, weight=weights, lambda_=lam, normalize=normalize)
+    ctx = TensorContext("t", ((0, 1),), 0, base_reusable=True)
+
+    def formula(stored):  # as the executor merges elements no expert was read in
+        experts = LazyExperts(stored.float(), lambda k: None, 2, lambda t: t.float(), stored, widens=True)
+        return encode(op.merge(experts.base, experts, params, ctx).to(stored.dtype))
+
+    expected = np.frombuffer(formula(base), dtype=uint)
+    got = np.frombuffer(base_bits(memoryview(bits.tobytes()), dtype, formula), dtype=uint)
+    # A NaN's payload after torch's casts depends on how many elements are cast at once (its
+    # vectorized paths differ), so the formula itself gives no single answer there: NaN must
+    # stay NaN; every other element must have exactly the formula's bits.
+    nan_expected = torch.from_numpy(expected.copy()).view(DTYPES[dtype].torch).isnan().numpy()
+    nan_got = torch.from_numpy(got.copy()).view(DTYPES[dtype].torch).isnan().numpy()
+    assert np.array_equal(nan_got, nan_expected) and nan_expected.sum() >= 4
+    assert np.array_equal(got[~nan_expected], expected[~nan_expected])

@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -189,12 +190,10 @@ class GroupMerger:
         dt = DTYPES[t.dtype]
         out = self.layout.tensors[name]
         out_path, out_size = self.staging / out.shard, DTYPES[out.dtype].itemsize
-        out_dtype = DTYPES[out.dtype].torch
         n_rows = t.shape[0] if t.shape else 1
         width = math.prod(t.shape[1:])
         params = self.params.for_tensor(name)
         plain = self.compute_dtype in (None, dt.torch)
-        k_experts = len(self.plan.inputs) - 1
         planned = {k: [(r0 * width, r1 * width) for r0, r1 in rr] for k, rr in reads.runs.items()}
         for e0, e1 in element_runs(n_rows, width, slab):
             view = width if width <= e1 - e0 else e1 - e0  # whole rows, or a piece of one row
@@ -219,19 +218,51 @@ class GroupMerger:
                         )
                     )
             (raw,), *expert_raws = self.reader.read_batch([base, *requests])
-            stored = decode(raw, t.dtype, ((e1 - e0) // view, view))
-            rows: dict[int, ExpertRows] = {}
-            for k, raws in zip(pieces, expert_raws):
-                dtype = self.plan.inputs[k + 1].tensors[name].dtype
-                rows[k] = [
-                    (((a - e0) // view, (b - e0) // view), decode(r, dtype, ((b - a) // view, view)))
+            stored = as_rows(decode(raw, t.dtype, ((e1 - e0) // view, view)))
+            values = {
+                k: [
+                    decode(r, self.plan.inputs[k + 1].tensors[name].dtype, ((b - a) // view, view))
                     for (a, b), r in zip(pieces[k], raws)
                 ]
-            experts = LazyExperts(self._to_compute(stored), rows.get, k_experts, self._to_compute, stored, widens=plain)
-            ctx = TensorContext(name, ((0, stored.shape[0]),), self.seed, base_reusable=True)
-            data = encode(self.op.merge(experts.base, experts, params, ctx).to(out_dtype))
-            self.written.update(data)
-            write_at(out_path, out.start + e0 * out_size, data, self.ledger)
+                for k, raws in zip(pieces, expert_raws)
+            }
+            # Elements no expert was read in are the base's own bytes where the operator adds a
+            # zero there: only zeros, subnormals and NaN go through the formula (base_bits).
+            shortcut = self.op.base_where_no_delta and plain and out.dtype == t.dtype
+            every = [iv for ivs in pieces.values() for iv in ivs]
+            for s0, s1, covered in covering(e0, e1, every) if shortcut else [(e0, e1, True)]:
+                lo, hi = (s0 - e0) // view, (s1 - e0) // view
+                if covered:
+                    rows: dict[int, ExpertRows] = {
+                        k: [
+                            (((a - s0) // view, (b - s0) // view), v)
+                            for (a, b), v in zip(pieces[k], values[k])
+                            if s0 <= a and b <= s1
+                        ]
+                        for k in pieces
+                    }
+                    data = self._merge_elements(
+                        name, stored[lo:hi], {k: r for k, r in rows.items() if r}, params, plain
+                    )
+                else:
+                    data = base_bits(
+                        memoryview(raw)[(s0 - e0) * dt.itemsize : (s1 - e0) * dt.itemsize],
+                        t.dtype,
+                        lambda sub: self._merge_elements(name, sub, {}, params, plain),
+                    )
+                self.written.update(data)
+                write_at(out_path, out.start + s0 * out_size, data, self.ledger)
+
+    def _merge_elements(
+        self, name: str, stored: torch.Tensor, rows: dict[int, ExpertRows], params, plain: bool
+    ) -> memoryview:
+        """The merged bytes of some base rows (stored) and the experts' rows read within them."""
+        experts = LazyExperts(
+            self._to_compute(stored), rows.get, len(self.plan.inputs) - 1, self._to_compute, stored, widens=plain
+        )
+        ctx = TensorContext(name, ((0, stored.shape[0]),), self.seed, base_reusable=True)
+        out_dtype = DTYPES[self.layout.tensors[name].dtype].torch
+        return encode(self.op.merge(experts.base, experts, params, ctx).to(out_dtype))
 
     def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
         """Adjacent planned blocks were coalesced into runs of rows: one range per run."""
@@ -271,3 +302,46 @@ def finished_group(layout: OutputLayout, group: str, staging: Path) -> dict | No
     """What merging a group an earlier run finished returned, if its mark is there and its staged
     bytes are still exactly those it wrote (a resumed merge takes it over); else None."""
     return group_record(staging, group, group_regions(layout, group))
+
+
+def covering(e0: int, e1: int, intervals: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """[e0, e1) cut into the stretches the intervals cover (True) and those they do not."""
+    out, at = [], e0
+    for a, b in sorted(intervals):
+        if a > at:
+            out.append((at, a, False))
+        if b > at:
+            if out and out[-1][2] and out[-1][1] == max(a, at):
+                out[-1] = (out[-1][0], b, True)
+            else:
+                out.append((max(a, at), b, True))
+            at = b
+    if at < e1:
+        out.append((at, e1, False))
+    return out
+
+
+# Exponent and mantissa bits of each float dtype as stored.
+_FLOAT_BITS = {
+    "BF16": (np.uint16, 0x7F80, 0x007F),
+    "F16": (np.uint16, 0x7C00, 0x03FF),
+    "F32": (np.uint32, 0x7F800000, 0x007FFFFF),
+    "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
+}
+
+
+def base_bits(raw: memoryview, dtype: str, formula) -> memoryview:
+    """What base + a zero gives, cast back to the base's dtype, for elements stored as `raw`:
+    the same bits, except for zeros (-0 + +0 is +0), subnormals and NaN (whose payload the
+    casts may change: torch's depend on how many elements are cast at once), which `formula`
+    computes from their stored values (a 1-row tensor)."""
+    uint, exponent, mantissa = _FLOAT_BITS[dtype]
+    bits = np.frombuffer(raw, dtype=uint)
+    e = bits & uint(exponent)
+    special = np.flatnonzero((e == 0) | ((e == uint(exponent)) & ((bits & uint(mantissa)) != 0)))
+    if special.size == 0:
+        return raw
+    out = bits.copy()
+    stored = decode(bytearray(bits[special].tobytes()), dtype, (1, special.size))
+    out[special] = np.frombuffer(formula(stored), dtype=uint)
+    return memoryview(out).cast("B")

@@ -236,6 +236,10 @@ class Operator(ABC):
     # tensor-wide quantity, no per-block draw): the executor may merge any run of elements on
     # its own, and streams large tensors through memory that way.
     elementwise: ClassVar[bool] = False
+    # Where every delta is zero the result is the base plus a zero (task arithmetic's
+    # base + lambda * 0): the executor copies the base's bytes there, and computes only zeros,
+    # subnormals and NaN by the formula (the cast back may change those).
+    base_where_no_delta: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 

@@ -92,6 +92,7 @@ class GeneralizedTaskArithmetic(Operator):
         # fixed coefficients: no sparsification, no sign election.
         self.additive = sparsify is no_sparsify and not consensus
         self.elementwise = self.additive  # task_arithmetic: base + lambda * sum_i w_i delta_i (/ sum w)
+        self.base_where_no_delta = self.additive
 
     def check(self, params: MergeParams) -> tuple[str, int, str] | None:
         if self.declared("epsilon") is None:

@@ -1,0 +1,124 @@
+"""Merges at frontier scale: the family of frontier_family.py, cold, one fresh `mergepipe`
+process per run with flows in process, under a memory budget.
+
+For each (operator, budget) it records wall time, peak anonymous memory (sampled RssAnon: what
+the process allocated) beside peak total RSS (which also counts clean, reclaimable pages of
+mapped files), expert bytes read, the predicted peak, and the I/O limit measured in the same
+run: cold sequential reads of the same bytes (the whole base and each expert's planned bytes)
+plus a write of the output's size with fsync. The index pass is measured on its own first.
+
+    .venv/bin/python benchmarks/frontier.py --data /work/bench-data/frontier --results benchmarks/results/frontier
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import measure  # noqa: E402
+
+MERGEPIPE = str(Path(sys.executable).parent / "mergepipe")
+
+
+def write_config(path: Path, data: Path, experts: int, method: str) -> Path:
+    lines = [f"merge_method: {method}", f"base_model: {data / 'base'}", "models:"]
+    for k in range(experts):
+        lines += [f"- model: {data / f'expert-{k}'}", "  parameters:", f"    weight: {round(1 / experts, 4)}"]
+        if method == "ties":
+            lines.append("    density: 0.5")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--results", type=Path, required=True)
+    ap.add_argument("--experts", type=int, default=4)
+    ap.add_argument("--memory", default="8GiB")
+    ap.add_argument("--cases", default="task_arithmetic:100%,task_arithmetic:10%,ties:100%,ties:10%")
+    ap.add_argument("--scratch", type=Path, default=None, help="outputs and catalog (default: beside --data)")
+    args = ap.parse_args()
+    scratch = Path(tempfile.mkdtemp(prefix="frontier-", dir=args.scratch or args.data.parent))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(MERGEPIPE_HOME=str(scratch / "home"), PREFECT_HOME=str(scratch / "prefect-home"))
+    inputs = [args.data / "base"] + [args.data / f"expert-{k}" for k in range(args.experts)]
+    files = [f for d in inputs for f in measure.model_files(d)]
+    catalog = str(scratch / "catalog.duckdb")
+    results: dict = {"machine": machine(), "experts": args.experts, "memory": args.memory, "runs": []}
+    results["input_bytes"] = sum(f.stat().st_size for f in files)
+    try:
+        cfg = write_config(scratch / "index.yaml", args.data, args.experts, "task_arithmetic")
+        measure.evict(files)
+        m = measure.run_sampled([MERGEPIPE, "index", cfg, "--catalog", catalog, "--json"], env)
+        results["index"] = {"seconds": m.seconds, "peak_anon": m.peak_anon, "peak_rss": m.peak_rss}
+        print(f"index: {m.seconds:.1f} s, anon {m.peak_anon / 2**30:.2f} GiB, rss {m.peak_rss / 2**30:.2f} GiB")
+        for case in args.cases.split(","):
+            method, budget = case.split(":")
+            cfg = write_config(scratch / f"{method}.yaml", args.data, args.experts, method)
+            plan = json.loads(
+                measure.run_sampled(
+                    [MERGEPIPE, "plan", cfg, "--budget", budget, "--memory", args.memory, "--catalog", catalog, "--json"],
+                    env,
+                ).stdout
+            )
+            out = scratch / f"out-{method}-{budget.rstrip('%')}"
+            measure.evict(files)
+            t0 = time.time()
+            m = measure.run_sampled(
+                [MERGEPIPE, "merge", cfg, "--out", out, "--budget", budget, "--memory", args.memory]
+                + ["--catalog", catalog, "--json"],
+                env,
+            )
+            r = m.json()
+            out_bytes = sum(f.stat().st_size for f in measure.model_files(out))
+            shutil.rmtree(out)
+            read_plan = [(files[0], files[0].stat().st_size)] + [
+                (measure.model_files(d)[0], n) for d, n in zip(inputs[1:], plan["planned_bytes_per_expert"])
+            ]
+            limit = measure.hardware_limit(read_plan, out_bytes, scratch)
+            row = {
+                "method": method,
+                "budget": budget,
+                "seconds": m.seconds,
+                "peak_anon": m.peak_anon,
+                "peak_rss": m.peak_rss,
+                "expert_bytes_read": r["expert_bytes_read"],
+                "full_expert_bytes": r["full_expert_bytes"],
+                "predicted_peak": r["memory"]["predicted_peak"],
+                "workers": r["memory"]["workers"],
+                "memory_warning": r["memory"]["warning"],
+                "digest": r["digest"],
+                "io_limit": limit,
+                "started": t0,
+            }
+            results["runs"].append(row)
+            print(
+                f"{method} {budget}: {m.seconds:.1f} s (I/O limit {limit['seconds']:.1f} s, "
+                f"{m.seconds / limit['seconds']:.2f}×), anon {m.peak_anon / 2**30:.2f} GiB, "
+                f"rss {m.peak_rss / 2**30:.2f} GiB, predicted {r['memory']['predicted_peak'] / 2**30:.2f} GiB, "
+                f"{r['memory']['workers']} group(s) at once",
+                flush=True,
+            )
+            args.results.mkdir(parents=True, exist_ok=True)
+            (args.results / "results.json").write_text(json.dumps(results, indent=1))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def machine() -> str:
+    import platform
+
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{os.cpu_count()} CPUs ({platform.machine()}), {mem:.0f} GiB RAM, Python {platform.python_version()}"
+
+
+if __name__ == "__main__":
+    main()
