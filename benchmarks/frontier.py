@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--results", type=Path, required=True)
     ap.add_argument("--experts", type=int, default=4)
-    ap.add_argument("--memory", default="8GiB")
+    ap.add_argument("--memory", default="8GiB", help="the merges' --memory, or 'default' to give none")
     ap.add_argument("--cases", default="task_arithmetic:100%,task_arithmetic:10%,ties:100%,ties:10%")
     ap.add_argument("--scratch", type=Path, default=None, help="outputs and catalog (default: beside --data)")
     args = ap.parse_args()
@@ -53,6 +53,8 @@ def main() -> None:
     files = [f for d in inputs for f in measure.model_files(d)]
     catalog = str(scratch / "catalog.duckdb")
     results: dict = {"machine": machine(), "experts": args.experts, "memory": args.memory, "runs": []}
+    if (args.results / "results.json").exists():  # runs of other cases are kept
+        results["runs"] = json.loads((args.results / "results.json").read_text())["runs"]
     results["input_bytes"] = sum(f.stat().st_size for f in files)
     try:
         cfg = write_config(scratch / "index.yaml", args.data, args.experts, "task_arithmetic")
@@ -63,18 +65,17 @@ def main() -> None:
         for case in args.cases.split(","):
             method, budget = case.split(":")
             cfg = write_config(scratch / f"{method}.yaml", args.data, args.experts, method)
+            memory = [] if args.memory == "default" else ["--memory", args.memory]
             plan = json.loads(
                 measure.run_sampled(
-                    [MERGEPIPE, "plan", cfg, "--budget", budget, "--memory", args.memory, "--catalog", catalog, "--json"],
-                    env,
+                    [MERGEPIPE, "plan", cfg, "--budget", budget, *memory, "--catalog", catalog, "--json"], env
                 ).stdout
             )
             out = scratch / f"out-{method}-{budget.rstrip('%')}"
             measure.evict(files)
             t0 = time.time()
             m = measure.run_sampled(
-                [MERGEPIPE, "merge", cfg, "--out", out, "--budget", budget, "--memory", args.memory]
-                + ["--catalog", catalog, "--json"],
+                [MERGEPIPE, "merge", cfg, "--out", out, "--budget", budget, *memory, "--catalog", catalog, "--json"],
                 env,
             )
             r = m.json()
@@ -87,6 +88,7 @@ def main() -> None:
             row = {
                 "method": method,
                 "budget": budget,
+                "memory": args.memory,
                 "seconds": m.seconds,
                 "peak_anon": m.peak_anon,
                 "peak_rss": m.peak_rss,
@@ -109,8 +111,36 @@ def main() -> None:
             )
             args.results.mkdir(parents=True, exist_ok=True)
             (args.results / "results.json").write_text(json.dumps(results, indent=1))
+            (args.results / "results.md").write_text(render(results))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def render(results: dict) -> str:
+    gib = 2**30
+    lines = [
+        "# Benchmark: frontier-scale family",
+        "",
+        f"Machine: {results['machine']}. K = {results['experts']}, inputs {results['input_bytes'] / 1e9:.1f} GB. "
+        "Cold, one run each, flows in process.",
+        "",
+    ]
+    if "index" in results:
+        i = results["index"]
+        lines += [f"- index: {i['seconds']:.1f} s, peak anonymous {i['peak_anon'] / gib:.2f} GiB", ""]
+    lines += [
+        "| operator | budget | --memory | wall s | I/O limit s | × limit | peak anon GiB | peak RSS GiB | "
+        "predicted GiB | groups at once | expert GB read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["runs"]:
+        lim = r["io_limit"]["seconds"]
+        lines.append(
+            f"| {r['method']} | {r['budget']} | {r.get('memory', '8GiB')} | {r['seconds']:.1f} | {lim:.1f} | "
+            f"{r['seconds'] / lim:.2f} | {r['peak_anon'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | "
+            f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def machine() -> str:
