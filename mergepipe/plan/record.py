@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -78,7 +78,10 @@ class InputModel:
     sidecars: list[str] = field(default_factory=list)
 
     def as_json(self) -> dict:
-        data = asdict(self)
+        # Field by field: dataclasses.asdict would deep-copy every TensorEntry first.
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensors"}
+        data["files"] = {s: dict(fp) for s, fp in self.files.items()}
+        data["sidecars"] = list(self.sidecars)
         data["tensors"] = {n: [t.file, t.dtype, list(t.shape), t.start] for n, t in self.tensors.items()}
         return data
 
