@@ -42,7 +42,7 @@ DEPLOYMENTS = [
     DeploymentSpec(
         "merge",
         "mergepipe.flows.deployments:merge",
-        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address). "
+        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory). "
         "{date} in out becomes the run's scheduled date.",
     ),
     DeploymentSpec(
