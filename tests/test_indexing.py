@@ -259,3 +259,28 @@ def test_base_energies_missing_from_an_older_catalog_cost_one_base_read(tmp_path
     assert con.execute("SELECT tensor, block, base_sq FROM blocks ORDER BY ALL").fetchall() == energies
     con.close()
     assert index_family(config=str(ranked), catalog=catalog)["bytes"]["base"] == 0
+
+
+@pytest.mark.parametrize("limit", [1, 4096])
+def test_small_tensors_read_in_batches_give_the_same_statistics(bf16_family, monkeypatch, limit):
+    """Consecutive small tensors are read and measured together (limit: batches of up to that
+    many READ_CHUNKs): every row, hash and digest is what reading them one run at a time gives."""
+    from mergepipe.index import stats
+    from mergepipe.index.family import load_family
+    from mergepipe.storage.ledger import ByteLedger
+    from mergepipe.storage.reader import RangeReader
+
+    real = stats._batches
+    with RangeReader(ByteLedger()) as reader:
+        family = load_family(str(bf16_family.base), [str(e) for e in bf16_family.experts], reader)
+        models = [("base", "base", family.base)] + [(f"e{i}", "expert", m) for i, m in enumerate(family.experts)]
+        runs = list(stats._block_runs(family, models, 4096))
+        assert len(list(real(runs, limit * stats.READ_CHUNK))) < len(runs) == len(list(real(runs, 0)))
+
+        def measure(batch_limit):
+            monkeypatch.setattr(stats, "_batches", lambda runs: real(runs, batch_limit))
+            return stats.compute_stats(family, [0, 1, 2], 4096, reader)
+
+        one_by_one, batched = measure(0), measure(limit * stats.READ_CHUNK)
+    assert batched.stats.equals(one_by_one.stats) and batched.blocks.equals(one_by_one.blocks)
+    assert batched.content == one_by_one.content

@@ -166,6 +166,16 @@ def _expert_rows(
     return out
 
 
+def _expert_batch(model: ModelFiles, fp: str, jobs: list, position: int, hashers: dict) -> list[list[tuple]]:
+    """One expert's statistics rows for every float run of a batch, in order."""
+    return [
+        _expert_rows(
+            model, fp, run.name, run.run, run.rows, chunks[position], run.per_model[position], bases, hashers[run.name]
+        )
+        for run, chunks, bases in jobs
+    ]
+
+
 def compute_stats(
     family: Family,
     expert_positions: list[int],
@@ -176,54 +186,66 @@ def compute_stats(
 ) -> StatsResult:
     """Stream the base once and each listed expert once; return their block statistics.
 
-    Each run of blocks is read for all models at once; the experts' statistics and hashes are
-    then computed in parallel threads, and their rows gathered in a fixed order."""
+    Each run of blocks is read for all models at once, consecutive runs of small tensors
+    together (one read per model per batch); the experts' statistics and hashes are then
+    computed in parallel threads, one job per expert and batch, and their rows gathered in a
+    fixed order."""
     cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
     layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
     fps = family.expert_fps()
     experts = [(i, family.experts[i], fps[i]) for i in expert_positions]
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
-    runs = list(_block_runs(family, models, block_size))
-    # The next runs are read while this one is measured: a cold disk needs several requests in
+    batches = list(_batches(list(_block_runs(family, models, block_size))))
+    # The next batches are read while this one is measured: a cold disk needs several requests in
     # flight to approach its sequential rate.
     with (
         ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool,
         ThreadPoolExecutor(READ_AHEAD) as ahead,
     ):
-        pending = deque(ahead.submit(reader.read_batch, r.requests) for r in runs[:READ_AHEAD])
-        for i, (name, info, dt, run, _, rows, per_model) in enumerate(runs):
-            chunks = [bufs[0] for bufs in pending.popleft().result()]
-            if i + READ_AHEAD < len(runs):
-                pending.append(ahead.submit(reader.read_batch, runs[i + READ_AHEAD].requests))
-            base_view = memoryview(chunks[0])
-            base_raws = [base_view[r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
-            for raw in base_raws:
-                hashers[0][name].update(raw)
-            if not dt.is_float:
-                _check_buffers(experts, name, info.dtype, chunks[0], chunks[1:], hashers[1:])
-                continue
-            bases = []
-            for b, block, raw in zip(run, rows, base_raws):
-                base_t = _decode_block(family.base, name, block, raw)
-                base64 = base_t.double().numpy().reshape(-1)
-                bases.append((base_t, base64))
-                base_sq = float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
-                for col, value in zip(
-                    BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)
-                ):
-                    layout[col].append(value)
+        pending = deque(ahead.submit(reader.read_batch, b.requests) for b in batches[:READ_AHEAD])
+        for i, batch in enumerate(batches):
+            batch_chunks = [bufs[0] for bufs in pending.popleft().result()]
+            if i + READ_AHEAD < len(batches):
+                pending.append(ahead.submit(reader.read_batch, batches[i + READ_AHEAD].requests))
+            jobs = []  # (run, its chunks, the base blocks) of each float tensor's run in the batch
+            for run in batch.runs:
+                chunks = [
+                    memoryview(c)[r.ranges[0][0] - b.ranges[0][0] : r.ranges[0][1] - b.ranges[0][0]]
+                    for c, r, b in zip(batch_chunks, run.requests, batch.requests)
+                ]
+                name, dt, per_model = run.name, run.dt, run.per_model
+                base_raws = [chunks[0][r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
+                for raw in base_raws:
+                    hashers[0][name].update(raw)
+                if not dt.is_float:
+                    _check_buffers(experts, name, run.info.dtype, chunks[0], chunks[1:], hashers[1:])
+                    continue
+                bases = []
+                for b, block, raw in zip(run.run, run.rows, base_raws):
+                    base_t = _decode_block(family.base, name, block, raw)
+                    base64 = base_t.double().numpy().reshape(-1)
+                    bases.append((base_t, base64))
+                    base_sq = float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
+                    for col, value in zip(
+                        BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)
+                    ):
+                        layout[col].append(value)
+                jobs.append((run, chunks, bases))
+            # One job per expert for the whole batch (a batch of many small tensors would
+            # otherwise cost a thread hand-off per tensor and expert).
             futures = [
-                pool.submit(_expert_rows, model, fp, name, run, rows, chunk, ranges, bases, h[name])
-                for (_, model, fp), chunk, ranges, h in zip(experts, chunks[1:], per_model[1:], hashers[1:])
+                pool.submit(_expert_batch, model, fp, jobs, e + 1, hashers[e + 1])
+                for e, (_, model, fp) in enumerate(experts)
             ]
             per_expert = [f.result() for f in futures]
-            for j in range(len(run)):
-                for expert_rows in per_expert:
-                    for col, value in zip(STATS_SCHEMA.names, expert_rows[j]):
-                        cols[col].append(value)
+            for j, (run, _, _) in enumerate(jobs):
+                for b in range(len(run.run)):
+                    for expert_rows in per_expert:
+                        for col, value in zip(STATS_SCHEMA.names, expert_rows[j][b]):
+                            cols[col].append(value)
             if progress:
-                progress(sum(len(c) for c in chunks[1:]))
+                progress(sum(len(c) for c in batch_chunks[1:]))
     result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
     for (i, model, fp), h in zip(experts, hashers[1:]):
@@ -239,6 +261,41 @@ class BlockRun(NamedTuple):
     requests: list[ReadRequest]  # one range per model: base first, then the experts
     rows: list[tuple[int, int]]  # each block's rows
     per_model: list[list[tuple[int, int]]]  # each model's byte range per block
+
+
+class Batch(NamedTuple):
+    runs: list[BlockRun]
+    requests: list[ReadRequest]  # one range per model, spanning every run of the batch
+
+
+def _batches(runs: list[BlockRun], limit: int = READ_CHUNK) -> Iterator[Batch]:
+    """Consecutive runs (of small tensors, typically) read together: while every model's next
+    run starts in the same file where its last one ended, up to `limit` bytes of the base."""
+    group: list[BlockRun] = []
+    size = 0
+    for run in runs:
+        n = run.requests[0].ranges[0][1] - run.requests[0].ranges[0][0]
+        adjacent = group and all(
+            r.path == last.path and r.ranges[0][0] == last.ranges[0][1]
+            for r, last in zip(run.requests, group[-1].requests)
+        )
+        if group and adjacent and size + n <= limit:
+            group.append(run)
+            size += n
+            continue
+        if group:
+            yield _batch(group)
+        group, size = [run], n
+    if group:
+        yield _batch(group)
+
+
+def _batch(runs: list[BlockRun]) -> Batch:
+    requests = [
+        ReadRequest(first.path, [(first.ranges[0][0], last.ranges[0][1])], first.role, first.model, first.file)
+        for first, last in zip(runs[0].requests, runs[-1].requests)
+    ]
+    return Batch(runs, requests)
 
 
 def _block_runs(family: Family, models: list, block_size: int) -> Iterator[BlockRun]:
