@@ -57,7 +57,7 @@ def heavy_imports(args: list[str], env: dict) -> list[str]:
     if proc.returncode != 0:
         raise RuntimeError(f"mergepipe {' '.join(args)} failed:\n{proc.stderr[-2000:]}")
     loaded = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    # A package bound lazily (mergepipe.lazy) is reported by its submodules only.
+    # A package bound lazily (torch, in mergepipe/__init__.py) is reported by its submodules only.
     return [m for m in HEAVY if any(x == m or x.startswith(m + ".") for x in loaded)]
 
 

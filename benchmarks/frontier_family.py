@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import struct
 import time
 import zlib
@@ -84,7 +85,7 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]], expert: i
     folder.mkdir(parents=True, exist_ok=True)
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape in shapes.items():
-        size = 2 * int(torch.tensor(shape).prod())
+        size = 2 * math.prod(shape)
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + size]}
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -93,7 +94,7 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]], expert: i
     with open(tmp, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw)
         for name, shape in shapes.items():
-            width = int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1
+            width = math.prod(shape[1:])
             step = max(1, CHUNK_ELEMENTS // width)
             for r0 in range(0, shape[0], step):
                 rows = (r0, min(shape[0], r0 + step))

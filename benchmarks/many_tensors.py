@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402
-from frontier import MERGEPIPE, machine  # noqa: E402
+from frontier import MERGEPIPE, machine, write_config  # noqa: E402
 from frontier_family import write_checkpoint  # noqa: E402
 
 LAYERS, MOE_EXPERTS, ROWS, WIDTH = 64, 512, 64, 80
@@ -61,12 +61,7 @@ def main() -> None:
         scratch = Path(tempfile.mkdtemp(prefix=f"many-{kind}-", dir=args.data))
         env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
         env.update(MERGEPIPE_HOME=str(scratch / "home"), PREFECT_HOME=str(scratch / "prefect-home"))
-        cfg = scratch / "merge.yaml"
-        cfg.write_text(
-            "merge_method: task_arithmetic\n"
-            f"base_model: {models[0]}\nmodels:\n"
-            + "".join(f"- model: {m}\n  parameters: {{weight: 0.25}}\n" for m in models[1:])
-        )
+        cfg = write_config(scratch / "merge.yaml", args.data / kind, args.experts, "task_arithmetic")
         catalog = scratch / "catalog.duckdb"
         try:
             measure.evict(files)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators import ExpertSource
 from mergepipe.operators.rows import ExpertRows, as_rows
 

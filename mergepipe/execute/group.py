@@ -14,10 +14,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from mergepipe import torch
 from mergepipe.execute.experts import LazyExperts
 from mergepipe.execute.memory import WHOLE_BASE_BYTES, element_runs, slab_elements, tensor_need
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
-from mergepipe.lazy import torch
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows, as_rows
 from mergepipe.plan.output import OutputLayout
@@ -130,7 +130,7 @@ class GroupMerger:
         inputs are in an object store (where latency, not memory, is the cost) or when the
         operator walks the experts twice (TIES-style elections), so no byte is read twice."""
         name, runs, requests = reads.name, reads.runs, reads.experts
-        if self.per_group is not None:
+        if self.per_group is not None and self.op.elementwise:  # only elementwise merges stream
             need = tensor_need(self.plan, self.layout, self.group, name)
             if need.streams and need.whole > self.per_group:
                 return self._merge_streamed(reads, slab_elements(need, self.per_group))

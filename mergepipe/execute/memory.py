@@ -145,6 +145,6 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, giv
 def _gib(n: int, up: bool = False) -> str:
     """A size for a message: MiB below a GiB, else GiB to a tenth (rounded up with `up`)."""
     if n < 2**30:
-        return f"{math.ceil(n / 2**20) if up else n / 2**20:.0f}MiB" if up else f"{n / 2**20:.1f}MiB"
+        return f"{math.ceil(n / 2**20)}MiB" if up else f"{n / 2**20:.1f}MiB"
     gib = math.ceil(n / 2**30 * 10) / 10 if up else n / 2**30
     return f"{gib:.1f}GiB"

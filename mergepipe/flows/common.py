@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from mergepipe import torch
 from mergepipe.config.environment import results_dir, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec
@@ -24,7 +25,6 @@ from mergepipe.flows.orchestration import call_with_retries, in_process, run_tas
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.stats import first_nonfinite
-from mergepipe.lazy import torch
 from mergepipe.plan import saved
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan

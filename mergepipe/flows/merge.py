@@ -12,7 +12,7 @@ from mergepipe.execute.memory import plan_memory
 from mergepipe.flows.artifacts import plan_artifact
 from mergepipe.flows.common import Execution, execute_plan, now, run_index
 from mergepipe.flows.orchestration import declare_flow, run_task
-from mergepipe.plan import saved
+from mergepipe.plan.output import output_layout_of
 from mergepipe.tasks.plan import plan_merge
 
 
@@ -42,7 +42,7 @@ def plan(
         plan_merge, request.spec, outcome.family, outcome.content, request.catalog, refuse_empty=False
     )
     try:  # a merge refuses a budget its largest tensor cannot fit; a plan says so
-        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given).as_json()
+        mem = plan_memory(p, output_layout_of(p), request.memory, worker_count(), request.memory_given).as_json()
         warnings = [*warnings, mem["warning"]] if mem["warning"] else warnings
     except BadInput as err:
         mem, warnings = {"memory_budget": request.memory}, [*warnings, str(err)]

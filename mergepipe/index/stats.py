@@ -23,11 +23,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import xxhash
 
+from mergepipe import torch
 from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
 from mergepipe.index.family import Family
-from mergepipe.lazy import torch
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.draws import default_keep
 from mergepipe.operators.rows import ExpertRows, as_rows
 

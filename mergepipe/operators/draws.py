@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 from typing import TYPE_CHECKING
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.rows import as_rows
 
 if TYPE_CHECKING:

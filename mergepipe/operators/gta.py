@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import (
     DENSITY,
     EPSILON,

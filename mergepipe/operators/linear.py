@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.gta import scalar_denominator
 

@@ -5,7 +5,7 @@ the tensor): no bound.
 
 from __future__ import annotations
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.reductions import norm_last, sum_last
 

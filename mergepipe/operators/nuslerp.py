@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
 from mergepipe.operators.reductions import norm_last, sum_last
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 
 GRAIN = 32768
 

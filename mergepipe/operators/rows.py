@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
 from mergepipe.operators.sparsify import block_keep_mask, rescale_factor
 

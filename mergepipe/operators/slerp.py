@@ -8,7 +8,7 @@ budget it is a heuristic without an error bound. Whole-tensor sums and norms go 
 
 from __future__ import annotations
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, ExpertSource, MergeParams, Operator, Parameter, TensorContext
 from mergepipe.operators.reductions import fixed_norm, fixed_sum
 

@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from mergepipe.lazy import torch
+from mergepipe import torch
 from mergepipe.operators.base import TensorContext
 from mergepipe.operators.draws import bernoulli_keep_mask, block_keep_mask, block_seed  # noqa: F401 (part of this module's face)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import math
 
+from mergepipe import torch
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range
-from mergepipe.lazy import torch
 from mergepipe.storage.location import join
 from mergepipe.storage.model_files import ModelFiles, read_model
 from mergepipe.storage.reader import RangeReader

@@ -8,8 +8,8 @@ import math
 import struct
 from dataclasses import dataclass
 
+from mergepipe import torch
 from mergepipe.errors import BadInput
-from mergepipe.lazy import torch
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is rejected unread
 

@@ -65,9 +65,6 @@ class DeclaredTask:
             options.update(cache_key_fn=self.cache_key_fn, persist_result=True)
         return task(**options)(self.fn)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return run_task(self, *args, **kwargs)
-
 
 def declare_task(name: str, **options: Any) -> Callable[[Callable], DeclaredTask]:
     """The decorator: `@declare_task("merge-layer-group", retries=3, ...)`."""
