@@ -139,6 +139,8 @@ def _print_merge(result: dict, title: str) -> None:
         "expert bytes planned / read", f"{_mib(result['expert_bytes_planned'])} / {_mib(result['expert_bytes_read'])}"
     )
     t.add_row("base bytes read", _mib(result["bytes"]["base"]))
+    if result["bytes"].get("reread"):
+        t.add_row("bytes read again (passes over windows)", _mib(result["bytes"]["reread"]))
     t.add_row("output bytes written", _mib(result["bytes"]["output"]))
     bound = f"{result['error_bound']:.6g}" + (
         "" if result["bound_guaranteed"] else " (heuristic: operator is not additive)"
@@ -218,6 +220,11 @@ def plan(
         out_console.print(
             f"memory: predicted peak {_mib(mem['predicted_peak'])} of budget {_mib(mem['memory_budget'])}, "
             f"{mem['workers']} layer group(s) at once (largest tensor {mem['largest_tensor']})"
+            + (
+                f"; up to {_mib(mem['reread_bytes_max'])} read again in passes over windows"
+                if mem.get("reread_bytes_max")
+                else ""
+            )
         )
 
 

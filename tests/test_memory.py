@@ -16,6 +16,7 @@ from mergepipe.execute import memory
 from mergepipe.execute.group import GroupMerger
 from mergepipe.execute.memory import element_runs
 from mergepipe.flows.merge import merge
+from mergepipe.operators import slabs
 from mergepipe.plan import saved
 
 from .helpers import config_for
@@ -67,12 +68,52 @@ def test_streamed_merges_equal_whole_merges_bit_for_bit(
     assert streamed["memory"]["workers"] == 2
 
 
+@pytest.mark.parametrize("share", [0.0, 0.5])
+@pytest.mark.parametrize(
+    "method,extra", [("ties", {}), ("dare_ties", {}), ("dare_linear", {}), ("ties", {"dtype": "float16"})]
+)
+def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
+    bf16_family, tmp_path, session_catalog, monkeypatch, method, extra, share
+):
+    """TIES and DARE over tensors larger than a group's share: windows of rows read in passes
+    (the thresholds, the rescale norms, the merge), keeping none of them between passes or
+    about half. The bytes of the whole merge; the planned bytes read once as base and expert
+    bytes, every later read counted as `reread`, within the plan's prediction."""
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)  # slabs of a few rows: windows of a few slabs
+    cfg = config_for(tmp_path, bf16_family, method, density=0.5, budget="60%", **extra)
+    whole = merge(config=str(cfg), out=str(tmp_path / "whole"), catalog=session_catalog)
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
+    needs = memory.tensor_needs(*saved.load(whole["plan_dir"]))
+    largest = max(needs, key=lambda n: n.whole)
+    per_group = max(2 * max(n.least for n in needs), int(largest.whole * share))
+    windowed = []
+    real = GroupMerger._merge_windowed
+
+    def spy(self, windows):
+        done = real(self, windows)
+        windowed.append((windows.name, len(windows.rows), done))
+        return done
+
+    monkeypatch.setattr(GroupMerger, "_merge_windowed", spy)
+    got = merge(config=str(cfg), out=str(tmp_path / "windowed"), catalog=session_catalog, memory=str(2 * per_group))
+    assert got["digest"] == whole["digest"]
+    assert {n for n, _, _ in windowed} == {n.name for n in needs if n.whole > per_group}
+    assert all(done and n_windows > 1 for _, n_windows, done in windowed)
+    assert got["expert_bytes_read"] == whole["expert_bytes_read"] == got["expert_bytes_planned"]
+    assert got["bytes"]["base"] == whole["bytes"]["base"] and whole["bytes"]["reread"] == 0
+    reread, predicted = got["bytes"]["reread"], got["memory"]["reread_bytes_max"]
+    # every method here makes two passes or more (dare_linear and dare_ties rescale by default)
+    assert memory.tensor_need(*saved.load(got["plan_dir"]), largest.group, largest.name).passes >= 2
+    assert 0 < reread <= predicted
+
+
 def test_a_budget_too_small_is_refused_before_reading_and_plan_says_so(
     bf16_family, tmp_path, session_catalog, monkeypatch
 ):
-    cfg = config_for(tmp_path, bf16_family, "ties", density=0.5)
+    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
-    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*ties holds the whole tensor"):
+    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*breadcrumbs holds the whole tensor"):
         merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog, memory="64KiB")
     assert not (tmp_path / "out").exists()
     r = runner.invoke(app, ["plan", str(cfg), "--memory", "64KiB", "--json", "--catalog", session_catalog])
@@ -85,7 +126,7 @@ def test_the_default_budget_warns_instead_of_refusing(bf16_family, tmp_path, ses
     machine's memory) goes ahead, one group at a time, and says so."""
     from mergepipe.config import request
 
-    cfg = config_for(tmp_path, bf16_family, "ties", density=0.5)
+    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(request, "default_memory", lambda: 64 << 10)
     r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
@@ -95,7 +136,7 @@ def test_the_default_budget_warns_instead_of_refusing(bf16_family, tmp_path, ses
 def test_groups_that_must_be_held_whole_run_one_at_a_time_when_two_do_not_fit(
     bf16_family, tmp_path, session_catalog, monkeypatch
 ):
-    cfg = config_for(tmp_path, bf16_family, "ties", density=0.5)
+    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
     full = merge(config=str(cfg), out=str(tmp_path / "two"), catalog=session_catalog)
     assert full["memory"]["workers"] == 2
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)

@@ -183,6 +183,80 @@ def _check_merge_into(method, base, experts, params, ctx, planned, ran):
                 assert _same_bits_but_nan_payloads(out, want.to(out.dtype)), case
 
 
+class _MemoryWindows:
+    """slabs.Windows over tensors in memory (the base and experts as stored), counting loads."""
+
+    def __init__(self, stored, experts, planned, rows, to_compute, widens):
+        self.shape, self.k, self.rows, self.widens = tuple(stored.shape), len(experts), rows, widens
+        self._to_compute, self._base = to_compute, as_rows(stored)
+        self._experts, self._planned = [as_rows(x) for x in experts], planned
+        self.loads = 0
+
+    def to_compute(self, t):
+        return self._to_compute(t)
+
+    def load(self, w, experts):
+        self.loads += 1
+        r0, r1 = self.rows[w]
+        runs = {
+            k: [
+                ((max(a, r0), min(b, r1)), self._experts[k][max(a, r0) : min(b, r1)].clone())
+                for a, b in self._planned.get(k, [])
+                if a < r1 and b > r0
+            ]
+            for k in experts
+        }
+        return self._base[r0:r1].clone(), runs
+
+
+@pytest.mark.parametrize("slab_elements", [pytest.param(7, marks=pytest.mark.slow), 20, 1 << 18])
+@pytest.mark.parametrize("method,kind,rescale,normalize,lam", CASES)
+def test_windowed_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, normalize, lam, slab_elements):
+    """merge_windows, windows read one at a time in each pass (of one slab, of several, of the
+    whole tensor), equals merge() of the whole tensor then .to(out dtype) bit for bit (NaN
+    payloads aside), for each plan, output dtype and rounding; where it cannot (TIES over
+    infinities or NaN), it says so having written nothing."""
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
+    g = torch.Generator().manual_seed(sum(map(ord, method + kind)))
+    base, experts = _family(kind, g)
+    params = OPERATORS["ties"].params(
+        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
+    )
+    ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+    op = OPERATORS[method]
+    takes = kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties"
+    stored = base.to(torch.bfloat16)
+    roundings = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: t.to(torch.float16).float(), False)}
+    for planned in PLANS:
+        patches = {
+            k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs
+        }
+        for to_compute, widens in roundings.values():
+            widened = to_compute(stored)
+            want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), 3, to_compute), params, ctx)
+            for rows in (1, 12, 100):
+                windows_rows = slabs.windows_of(slabs.slabs_of(ctx.block_rows, 7), rows)
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    windows = _MemoryWindows(stored, experts, planned, windows_rows, to_compute, widens)
+                    out = torch.full(base.shape, 7.0, dtype=out_dtype)
+                    written = []
+
+                    def write(r0, got):
+                        written.append(r0)
+                        out[r0 : r0 + got.shape[0]] = got
+
+                    case = (planned, rows, out_dtype, widens)
+                    assert op.merge_windows(windows, params, ctx, out_dtype, write) == takes, case
+                    if not takes:
+                        assert not written
+                        continue
+                    assert written == [r0 for r0, _ in windows_rows], case
+                    assert _same_bits_but_nan_payloads(out, want.to(out_dtype)), case
+                    # every pass walks the windows: at least the merge's pass, at most window_passes
+                    n = len(windows_rows)
+                    assert n <= windows.loads <= n * op.window_passes(params), case
+
+
 def _same_bits_but_nan_payloads(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, except that a NaN matches any NaN: torch's float conversions make NaNs of
     other payloads and signs in their vectorised loops than in their scalar ones (bf16 0xFFFF

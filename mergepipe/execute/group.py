@@ -7,6 +7,7 @@ import hashlib
 import math
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -16,10 +17,19 @@ import pyarrow.compute as pc
 
 from mergepipe import torch
 from mergepipe.execute.experts import LazyExperts
-from mergepipe.execute.memory import WHOLE_BASE_BYTES, element_runs, slab_elements, tensor_need
+from mergepipe.execute.memory import (
+    WHOLE_BASE_BYTES,
+    TensorNeed,
+    element_runs,
+    slab_elements,
+    tensor_need,
+    window_plan,
+)
+from mergepipe.execute.windows import StoredWindows
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows, as_rows
+from mergepipe.operators.slabs import slabs_of, windows_of
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.ledger import ByteLedger
@@ -58,6 +68,13 @@ class TensorReads(NamedTuple):
     def all_requests(self) -> list[ReadRequest]:
         return [self.base, *self.experts.values()]
 
+    def again(self) -> "TensorReads":
+        """The same reads, each counted as read again (`reread` in the ledger)."""
+        return self._replace(
+            base=replace(self.base, role="reread"),
+            experts={k: replace(r, role="reread") for k, r in self.experts.items()},
+        )
+
 
 class GroupMerger:
     """Merges the tensors of one group. One instance per task; not shared across threads."""
@@ -94,14 +111,16 @@ class GroupMerger:
             wanted[(e, t)].append((b, r0, r1))
         reads = [self._tensor_reads(name, wanted) for name in names]
         # The kernel reads the next tensor's ranges while this one merges: one thread asks for
-        # them (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors ahead.
+        # them (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors ahead. A tensor merged in
+        # passes over windows asks for its next window itself.
+        ahead = [[] if self.op.windowed and self._too_large(r.name) else r.all_requests() for r in reads]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
             try:
-                for r in reads[:PREFETCH_TENSORS]:
-                    prefetch.submit(self.reader.prefetch, r.all_requests())
+                for r in ahead[:PREFETCH_TENSORS]:
+                    prefetch.submit(self.reader.prefetch, r)
                 for i, r in enumerate(reads):
                     if i + PREFETCH_TENSORS < len(reads):
-                        prefetch.submit(self.reader.prefetch, reads[i + PREFETCH_TENSORS].all_requests())
+                        prefetch.submit(self.reader.prefetch, ahead[i + PREFETCH_TENSORS])
                     self._merge_tensor(r)
             finally:
                 prefetch.shutdown(wait=True, cancel_futures=True)
@@ -129,11 +148,16 @@ class GroupMerger:
         expert's bytes at a time. They are read up front, in one concurrent batch, when the
         inputs are in an object store (where latency, not memory, is the cost) or when the
         operator walks the experts twice (TIES-style elections), so no byte is read twice."""
-        name, runs, requests = reads.name, reads.runs, reads.experts
-        if self.per_group is not None and self.op.elementwise:  # only elementwise merges stream
-            need = tensor_need(self.plan, self.layout, self.group, name)
-            if need.streams and need.whole > self.per_group:
+        need = self._too_large(reads.name)
+        if need is not None:
+            if self.op.elementwise:
                 return self._merge_streamed(reads, slab_elements(need, self.per_group))
+            windows = self._windows(reads, need)
+            if self._merge_windowed(windows):
+                return
+            if windows.read_any:  # whatever the whole-tensor merge reads now is read again
+                reads = reads.again()
+        name, runs, requests = reads.name, reads.runs, reads.experts
         _, dtype, shape, _ = self.plan.inputs[0].tensors[name]
         dt = DTYPES[dtype]
         out = self.layout.tensors[name]
@@ -155,9 +179,7 @@ class GroupMerger:
             raws = fetched[k] if k in fetched else self.reader.read_batch([requests[k]])[0]
             return self._expert_rows(k, name, width, runs[k], raws)
 
-        ctx = TensorContext(
-            name, tuple(block_rows(shape, dt.itemsize, self.plan.block_size)), self.seed, base_reusable=True
-        )
+        ctx = self._context(name, base_reusable=True)
         params = self.params.for_tensor(name)
         out_dtype = DTYPES[out.dtype].torch
         # A large base is left as stored for an operator that can widen it a slab at a time.
@@ -179,6 +201,53 @@ class GroupMerger:
         assert len(data) == out.end - out.start, (name, len(data), out)
         self.written.update(data)
         write_at(out_path, out.start, data, self.ledger)
+
+    def _too_large(self, name: str) -> TensorNeed | None:
+        """The tensor's need, where it is too large for this group's share and the operator can
+        merge it in parts (runs of elements, windows of rows); else None."""
+        if self.per_group is None or not (self.op.elementwise or self.op.windowed):
+            return None
+        need = tensor_need(self.plan, self.layout, self.group, name, self.params)
+        return need if need.streams and need.whole > self.per_group else None
+
+    def _windows(self, reads: TensorReads, need: TensorNeed) -> StoredWindows:
+        t = self.plan.inputs[0].tensors[reads.name]
+        width = math.prod(t.shape[1:])
+        elements, keep = window_plan(need, self.per_group)
+        slabs = slabs_of(self._context(reads.name).block_rows, width)
+        return StoredWindows(
+            self.plan,
+            reads.name,
+            self.reader,
+            (reads.base, reads.experts),
+            reads.runs,
+            windows_of(slabs, max(1, elements // max(1, width))),
+            keep,
+            self._to_compute,
+            self.compute_dtype in (None, DTYPES[t.dtype].torch),
+        )
+
+    def _merge_windowed(self, windows: StoredWindows) -> bool:
+        """A large tensor merged a window of rows at a time (Operator.merge_windows), each
+        window's result written at its place in the output. False, with nothing written, where
+        the operator needs the whole tensor."""
+        name = windows.name
+        out = self.layout.tensors[name]
+        out_path, row_bytes = self.staging / out.shard, windows.width * DTYPES[out.dtype].itemsize
+
+        def write(first_row: int, rows: torch.Tensor) -> None:
+            data = encode(rows)
+            self.written.update(data)
+            write_at(out_path, out.start + first_row * row_bytes, data, self.ledger)
+
+        ctx = self._context(name)
+        return self.op.merge_windows(windows, self.params.for_tensor(name), ctx, DTYPES[out.dtype].torch, write)
+
+    def _context(self, name: str, **kw) -> TensorContext:
+        _, dtype, shape, _ = self.plan.inputs[0].tensors[name]
+        return TensorContext(
+            name, tuple(block_rows(shape, DTYPES[dtype].itemsize, self.plan.block_size)), self.seed, **kw
+        )
 
     def _merge_streamed(self, reads: TensorReads, slab: int) -> None:
         """An elementwise operator's merge of a large tensor, a run of at most `slab` elements

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 
 from mergepipe.errors import BadInput
-from mergepipe.operators import get_operator
+from mergepipe.operators import ParamTable, get_operator
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.safetensors_format import DTYPES
@@ -33,7 +33,9 @@ class TensorNeed:
     group: str
     numel: int
     per_element: int  # bytes held per element merged at once
-    streams: bool  # the operator may merge it a run of elements at a time
+    streams: bool  # the operator may merge it a run of elements, or a window of rows, at a time
+    read_per_element: int = 0  # bytes read per element in one pass (the base and every expert)
+    passes: int = 1  # passes over its windows when it is merged a window at a time
 
     @property
     def whole(self) -> int:
@@ -53,6 +55,7 @@ class MemoryPlan:
     predicted_peak: int  # the process, with `workers` groups at their largest tensors
     largest: TensorNeed | None  # the tensor that needs the most when merged as it will be
     warning: str | None = None  # the prediction exceeds a budget that was not given explicitly
+    reread_max: int = 0  # the most bytes read again by merges in passes over windows
 
     def as_json(self) -> dict:
         return {
@@ -62,10 +65,12 @@ class MemoryPlan:
             "predicted_peak": self.predicted_peak,
             "largest_tensor": self.largest.name if self.largest else None,
             "warning": self.warning,
+            "reread_bytes_max": self.reread_max,
         }
 
 
-def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str) -> TensorNeed:
+def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str, table: ParamTable | None = None) -> TensorNeed:
+    """What merging one tensor holds; `table`: the plan's parameters, when the caller has them."""
     op = get_operator(plan.merge_method)
     t = plan.inputs[0].tensors[name]
     dt = DTYPES[t.dtype]
@@ -73,19 +78,21 @@ def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str) -> Tens
         return TensorNeed(name, group, math.prod(t.shape), dt.itemsize, False)
     numel = math.prod(t.shape)
     # Every form holds the stored base, the experts' stored rows and the output.
-    per = dt.itemsize + sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
-    per += DTYPES[layout.tensors[name].dtype].itemsize
+    read = dt.itemsize + sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
+    per = read + DTYPES[layout.tensors[name].dtype].itemsize
     if op.elementwise:  # the fp32 base, an accumulator and one expert's widened rows
         per += 4 * 3
     elif op.has_slab_form:  # fp32 only per slab (slabs.py), the fp32 base when it is small
         per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
     else:  # whole fp32 tensors: the base, an accumulator, one expert, the result
         per += 4 * 4
-    return TensorNeed(name, group, numel, per, op.elementwise)
+    passes = op.window_passes((table or plan.param_table()).for_tensor(name)) if op.windowed else 1
+    return TensorNeed(name, group, numel, per, op.elementwise or op.windowed, read, passes)
 
 
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
-    return [tensor_need(plan, layout, g, name) for g, names in layout.groups.items() for name in names]
+    table = plan.param_table()
+    return [tensor_need(plan, layout, g, name, table) for g, names in layout.groups.items() for name in names]
 
 
 def held(need: TensorNeed, per_group: int) -> int:
@@ -98,6 +105,23 @@ def held(need: TensorNeed, per_group: int) -> int:
 def slab_elements(need: TensorNeed, per_group: int) -> int:
     """Elements merged at once for a tensor streamed under per_group bytes."""
     return max(MIN_SLAB_ELEMENTS, per_group // need.per_element)
+
+
+def window_plan(need: TensorNeed, per_group: int) -> tuple[int, int]:
+    """(elements per window, bytes of windows kept between passes) for a tensor merged a window
+    of rows at a time under per_group bytes: a quarter of the share for each of the two windows
+    alive at once (the one in use, the next being read), the rest for windows kept."""
+    window = max(MIN_SLAB_ELEMENTS, per_group // (4 * need.per_element))
+    return window, max(0, per_group - 2 * window * need.per_element)
+
+
+def reread_bytes(need: TensorNeed, per_group: int) -> int:
+    """The most a tensor merged a window at a time reads again: every pass after the first
+    reads what was not kept (the windows past the kept ones)."""
+    if need.passes <= 1 or need.whole <= per_group:
+        return 0
+    _, keep = window_plan(need, per_group)
+    return (need.passes - 1) * max(0, need.numel * need.read_per_element - keep)
 
 
 def element_runs(n_rows: int, width: int, slab: int) -> list[tuple[int, int]]:
@@ -120,7 +144,7 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, giv
     hardest = max(needs, key=lambda n: n.least)
     warning = None
     if PROCESS_BYTES + hardest.least > budget:
-        how = "in runs of rows" if hardest.streams else f"whole ({plan.merge_method} holds the whole tensor)"
+        how = "in windows of rows" if hardest.streams else f"whole ({plan.merge_method} holds the whole tensor)"
         problem = (
             f"memory budget {_gib(budget)} is too small: tensor {hardest.name!r} merged {how} needs "
             f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES)}"
@@ -139,7 +163,8 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, giv
         by_group[n.group] = max(by_group.get(n.group, 0), held(n, per_group))
     peaks = sorted(by_group.values(), reverse=True)[:workers]
     largest = max(needs, key=lambda n: held(n, per_group))
-    return MemoryPlan(budget, workers, max(0, per_group), PROCESS_BYTES + sum(peaks), largest, warning)
+    reread = sum(reread_bytes(n, per_group) for n in needs)
+    return MemoryPlan(budget, workers, max(0, per_group), PROCESS_BYTES + sum(peaks), largest, warning, reread)
 
 
 def _gib(n: int, up: bool = False) -> str:

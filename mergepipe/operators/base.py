@@ -240,6 +240,9 @@ class Operator(ABC):
     # base + lambda * 0): the executor copies the base's bytes there, and computes only zeros,
     # subnormals and NaN by the formula (the cast back may change those).
     base_where_no_delta: ClassVar[bool] = False
+    # merge_windows can merge a tensor too large to hold a window of rows at a time, read from
+    # storage in passes: first its tensor-wide quantities, then the merge.
+    windowed: ClassVar[bool] = False
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 
@@ -288,4 +291,16 @@ class Operator(ABC):
     def merge_into(self, out: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext) -> bool:
         """merge() written into `out`, slab by slab from the stored base (has_slab_form). False,
         with nothing written, where only merge() can do it."""
+        return False
+
+    def window_passes(self, params: MergeParams) -> int:
+        """The most passes merge_windows makes over a tensor's windows, the merge's included."""
+        return 1
+
+    def merge_windows(
+        self, windows: Any, params: MergeParams, ctx: TensorContext, out_dtype: torch.dtype, write: Callable
+    ) -> bool:
+        """merge() over slabs.Windows: each window's merged rows in `out_dtype` handed to
+        write(first row, rows), in order (windowed). False, with nothing written, where it
+        cannot be done that way (then merge() on the whole tensor must)."""
         return False

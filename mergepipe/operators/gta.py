@@ -93,6 +93,8 @@ class GeneralizedTaskArithmetic(Operator):
         self.additive = sparsify is no_sparsify and not consensus
         self.elementwise = self.additive  # task_arithmetic: base + lambda * sum_i w_i delta_i (/ sum w)
         self.base_where_no_delta = self.additive
+        # TIES and DARE merge a window of rows at a time; task arithmetic streams as elementwise.
+        self.windowed = sparsify in SLAB_KEEPS and not self.additive and (consensus or sparsify is dare)
 
     def check(self, params: MergeParams) -> tuple[str, int, str] | None:
         if self.declared("epsilon") is None:
@@ -178,6 +180,31 @@ class GeneralizedTaskArithmetic(Operator):
         if slabbed is None or not all(slabbed.prepare(i) for i in range(len(experts))):
             return False
         slabbed.elect(out)
+        return True
+
+    def window_passes(self, params: MergeParams) -> int:
+        """TIES's threshold takes up to three passes (zeros and a histogram of the high bits,
+        the low bits in one bin, where the ties kept end), rescaling one, the merge one."""
+        searches = 3 if SLAB_KEEPS.get(self.sparsify) is MagnitudeKeep else 0
+        return searches + (1 if params["rescale"] else 0) + 1
+
+    def merge_windows(self, windows, params: MergeParams, ctx: TensorContext, out_dtype: torch.dtype, write) -> bool:
+        """The slab form over windows read from storage (slabs.Windows): each expert's threshold
+        and rescale factor in passes of their own, all experts together in each pass, then the
+        merge a window at a time. False (nothing written) where only merge() can do it: a
+        sparsifier without a slab form, replayed masks, blocks that do not tile the rows, or
+        deltas with infinities or NaN under a TIES threshold above 0."""
+        keep = SLAB_KEEPS.get(self.sparsify)
+        if not self.windowed or ctx.keep is not default_keep or not tiles(ctx.block_rows, (windows.shape or (1,))[0]):
+            return False
+        slabbed = SlabMerge(None, None, params, ctx, keep, windows)
+        if not slabbed.gather(range(windows.k)):
+            return False
+        if self.consensus:
+            slabbed.elect_windows(out_dtype, write)
+        else:
+            denominator = scalar_denominator(params["weight"]) if params["normalize"] else None
+            slabbed.sum_windows(out_dtype, write, denominator)
         return True
 
     def _merge_in_slabs(

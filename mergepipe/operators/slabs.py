@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -56,43 +56,77 @@ class ExpertDeltas:
     saves the fp32 copy of a whole tensor for a widening of each slab in each pass."""
 
     def __init__(self, base: torch.Tensor | None, experts: ExpertSource) -> None:
-        self._to_compute: Callable[[torch.Tensor], torch.Tensor] = experts.to_compute
         stored = experts.base_stored
         if base is None and stored is None:
             raise ValueError("ExpertDeltas needs a base, or experts that hold the stored base")
-        self._base_rows = None if base is None else as_rows(base)
-        self._stored_base_rows = None if stored is None else as_rows(stored)
-        self._last: tuple[tuple[int, int], torch.Tensor] | None = None
         whole = base if base is not None else stored
-        self.n_rows, self.width = as_rows(whole).shape
-        self.shape, self.numel = tuple(whole.shape), whole.numel()
-        self.k = len(experts)
+        self._setup(tuple(whole.shape), len(experts), experts.to_compute, stored is not None and experts.widens)
         self._experts = experts
+        self._base_rows = None if base is None else as_rows(base)
+        self._set_stored(stored, 0)
+
+    @classmethod
+    def windowed(cls, windows: "Windows") -> "ExpertDeltas":
+        """Deltas over rows that `windows` reads a window at a time: load() puts a window's
+        rows in place, and only slabs inside the window loaded last may be asked for."""
+        self = cls.__new__(cls)
+        self._setup(windows.shape, windows.k, windows.to_compute, windows.widens)
+        self._experts = None
+        self._base_rows = None
+        self._set_stored(None, 0)
+        return self
+
+    def _setup(self, shape: tuple[int, ...], k: int, to_compute: Callable, widens: bool) -> None:
+        self._to_compute: Callable[[torch.Tensor], torch.Tensor] = to_compute
+        self.shape, self.numel, self.k = shape, math.prod(shape), k
+        self.n_rows = shape[0] if shape else 1
+        self.width = math.prod(shape[1:]) if shape else 1
+        self._widens = widens
+        self._last: tuple[tuple[int, int], torch.Tensor] | None = None
         self._runs: dict[int, list] = {}
         self._starts: dict[int, list[int]] = {}  # each expert's run starts, for bisect
         self._finite: dict[tuple[int, int], bool] = {}
-        # nonzero() compares stored bits where to_compute only widens the stored base's dtype
-        comparable = stored is not None and experts.widens and stored.element_size() in _BITS
-        self._stored_rows = self._stored_base_rows if comparable else None
         self._same_dtype: dict[int, bool] = {}
+
+    def _set_stored(self, stored: torch.Tensor | None, offset: int) -> None:
+        """The stored base rows at hand, from row `offset` on."""
+        self._offset = offset
+        self._stored_base_rows = None if stored is None else as_rows(stored)
+        # nonzero() compares stored bits where to_compute only widens the stored base's dtype
+        comparable = stored is not None and self._widens and stored.element_size() in _BITS
+        self._stored_rows = self._stored_base_rows if comparable else None
+
+    def load(self, first_row: int, stored: torch.Tensor, runs: dict[int, list]) -> None:
+        """A window's rows: the base's as stored from `first_row` on, and the runs of rows each
+        expert asked for was read in within the window (ExpertRows, rows of the whole tensor)."""
+        self._set_stored(stored, first_row)
+        self._last = None
+        for i in list(self._runs):
+            self.release(i)
+        for i, expert_runs in runs.items():
+            self._put(i, expert_runs)
 
     def base(self, a: int, b: int) -> torch.Tensor:
         """The base's fp32 rows [a, b) (not to be changed in place)."""
         if self._base_rows is not None:
             return self._base_rows[a:b]
         if self._last is None or self._last[0] != (a, b):
-            self._last = ((a, b), self._to_compute(self._stored_base_rows[a:b]))
+            off = self._offset
+            self._last = ((a, b), self._to_compute(self._stored_base_rows[a - off : b - off]))
         return self._last[1]
 
     def fetch(self, i: int) -> None:
         """Ask for expert i's rows (the executor's source reads them now, if it has not already)."""
         if i not in self._runs:
-            self._runs[i] = sorted(self._experts.rows(i) or [], key=lambda run: run[0][0])
-            self._starts[i] = [r0 for (r0, _), _ in self._runs[i]]
-            # nonzero() compares stored bits only where every run is stored as the base is
-            self._same_dtype[i] = self._stored_rows is not None and all(
-                v.dtype == self._stored_rows.dtype for _, v in self._runs[i]
-            )
+            self._put(i, self._experts.rows(i) or [])
+
+    def _put(self, i: int, runs: list) -> None:
+        self._runs[i] = sorted(runs, key=lambda run: run[0][0])
+        self._starts[i] = [r0 for (r0, _), _ in self._runs[i]]
+        # nonzero() compares stored bits only where every run is stored as the base is
+        self._same_dtype[i] = self._stored_rows is not None and all(
+            v.dtype == self._stored_rows.dtype for _, v in self._runs[i]
+        )
 
     def release(self, i: int) -> None:
         self._runs.pop(i, None)
@@ -137,7 +171,7 @@ class ExpertDeltas:
             lo, hi = max(a, r0), min(b, r1)
             if lo < hi:
                 x = _bits(values[lo - r0 : hi - r0], uint)
-                y = _bits(stored[lo:hi], uint)
+                y = _bits(stored[lo - self._offset : hi - self._offset], uint)
                 differ = x != y
                 signed_zeros = differ & (((x | y) & magnitude) == 0)
                 count += int(np.count_nonzero(differ)) - int(np.count_nonzero(signed_zeros))
@@ -234,59 +268,109 @@ def magnitude_threshold(
     |delta| > t, and |delta| == t at flat indices below `end` (ties go to the lowest indices).
 
     deltas() yields the deltas slab by slab in flat order, again for each pass; an int stands
-    for that many zeros (a slab the expert was not read in costs nothing then). The value is
-    exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. A first pass counts the zeros
-    (unless `nonzero` gives the count of the others): when they reach that rank, t is 0 (a
-    bf16 fine-tune's delta is mostly exact zeros).
-    Otherwise a histogram of the bit patterns' top 16 bits finds the value's bin, a second of
-    the low 16 bits within that bin the value, and a last pass the ties' end when some ties are
-    dropped. None when the magnitudes hold an infinity or NaN and t is not 0 (the whole-tensor
-    form then orders those as kthvalue does)."""
-    q = n - k + 1
-    if nonzero is None:
-        nonzero = sum(int(np.count_nonzero(d.numpy())) for d in deltas() if not isinstance(d, int))
-    zeros = n - nonzero
-    if zeros >= q:
-        return torch.tensor(0.0), 0
-    high = torch.zeros(_HIGH_BINS, dtype=torch.int64)
-    for d in deltas():
-        if isinstance(d, int):
-            high[0] += d  # +0's bit pattern is 0
+    for that many zeros (a slab the expert was not read in costs nothing then). The passes are
+    MagnitudeSearch's; None when the magnitudes hold an infinity or NaN and t is not 0."""
+    search = MagnitudeSearch(n, k, nonzero)
+    while not search.done:
+        search.start_pass()
+        for d in deltas():
+            search.feed(d)
+            if search.satisfied:
+                break
+        search.end_pass()
+    return search.result
+
+
+class MagnitudeSearch:
+    """magnitude_threshold's passes, fed from outside, so that one walk over a tensor's rows can
+    feed the searches of several experts at once (slabs read from storage once per pass, not
+    once per expert and pass).
+
+    The value found is exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. The first
+    pass counts the zeros (unless `nonzero` gives the count of the others) beside a histogram
+    of the bit patterns' top 16 bits: when the zeros reach that rank, t is 0 (a bf16
+    fine-tune's delta is mostly exact zeros). Otherwise the histogram finds the value's bin, a
+    second pass's histogram of the low 16 bits within that bin the value, and a last pass the
+    ties' end when some ties are dropped. Each pass feeds every slab in flat order (feed may
+    change a delta in place); `satisfied` says the rest of a pass would change nothing."""
+
+    def __init__(self, n: int, k: int, nonzero: int | None = None) -> None:
+        self.n, self.k, self.q = n, k, n - k + 1
+        self.result: tuple[torch.Tensor, int] | None = None
+        self.done = self.satisfied = False
+        self._counting = nonzero is None
+        self._nonzero = 0 if nonzero is None else nonzero
+        self._stage = "high"
+        if not self._counting and n - nonzero >= self.q:
+            self._finish((torch.tensor(0.0), 0))
+
+    def _finish(self, result: tuple[torch.Tensor, int] | None) -> None:
+        self.result, self.done, self.satisfied = result, True, True
+
+    def start_pass(self) -> None:
+        if self._stage == "high":
+            self._high = torch.zeros(_HIGH_BINS, dtype=torch.int64)
+        elif self._stage == "low":
+            self._low = torch.zeros(_LOW_BINS + 2, dtype=torch.int64)
         else:
-            high += torch.bincount(d.abs_().reshape(-1).view(torch.int32) >> 16, minlength=_HIGH_BINS)
-    if int(high[_NONFINITE:].sum()):
-        return None
-    cum = high.cumsum(0)
-    hi = int(torch.searchsorted(cum, q))
-    below = int(cum[hi - 1]) if hi else 0
-    # Offsets into the bin, clamped one below and one above it, so counting needs no gather.
-    low = torch.zeros(_LOW_BINS + 2, dtype=torch.int64)
-    for d in deltas():
-        if isinstance(d, int):
-            low[1 if hi == 0 else 0] += d  # zeros: the bin's first value, or below the bin
+            self._seen = self._start = 0
+
+    def feed(self, d: torch.Tensor | int) -> None:
+        if self.satisfied:
+            return
+        if self._stage == "high":
+            if isinstance(d, int):
+                self._high[0] += d  # +0's bit pattern is 0
+                return
+            if self._counting:
+                self._nonzero += int(np.count_nonzero(d.numpy()))
+            self._high += torch.bincount(d.abs_().reshape(-1).view(torch.int32) >> 16, minlength=_HIGH_BINS)
+        elif self._stage == "low":
+            # Offsets into the bin, clamped one below and one above it, so counting needs no gather.
+            if isinstance(d, int):
+                self._low[1 if self._hi == 0 else 0] += d  # zeros: the bin's first value, or below the bin
+                return
+            offsets = d.abs_().reshape(-1).view(torch.int32) - (self._hi << 16)
+            self._low += torch.bincount(offsets.clamp_(-1, _LOW_BINS).add_(1), minlength=_LOW_BINS + 2)
         else:
-            offsets = d.abs_().reshape(-1).view(torch.int32) - (hi << 16)
-            low += torch.bincount(offsets.clamp_(-1, _LOW_BINS).add_(1), minlength=_LOW_BINS + 2)
-    low = low[1:-1]
-    cum_low = low.cumsum(0)
-    lo = int(torch.searchsorted(cum_low, q - below))
-    t = torch.tensor((hi << 16) | lo, dtype=torch.int32).view(torch.float32)
-    greater = (n - int(cum[hi])) + (int(cum_low[-1]) - int(cum_low[lo]))
-    need = k - greater
-    if need >= int(low[lo]):
-        return t, n
-    seen = start = 0
-    for d in deltas():
-        if isinstance(d, int):  # t > 0 here (a zero t returned above): no zero ties with it
-            start += d
-            continue
-        equal = d.abs_().reshape(-1) == t
-        c = int(torch.count_nonzero(equal))
-        if seen + c >= need:
-            return t, start + int(equal.nonzero()[need - seen - 1]) + 1
-        seen += c
-        start += equal.numel()
-    raise AssertionError("the histograms counted more ties than the slabs hold")
+            if isinstance(d, int):  # t > 0 here (a zero t ends the first pass): no zero ties with it
+                self._start += d
+                return
+            equal = d.abs_().reshape(-1) == self._t
+            c = int(torch.count_nonzero(equal))
+            if self._seen + c >= self._need:
+                self._finish((self._t, self._start + int(equal.nonzero()[self._need - self._seen - 1]) + 1))
+                return
+            self._seen += c
+            self._start += equal.numel()
+
+    def end_pass(self) -> None:
+        """Close a pass: `done` once the result is known."""
+        if self.done:
+            return
+        n, q = self.n, self.q
+        if self._stage == "high":
+            if n - self._nonzero >= q:
+                return self._finish((torch.tensor(0.0), 0))
+            high = self._high
+            if int(high[_NONFINITE:].sum()):
+                return self._finish(None)
+            self._cum = high.cumsum(0)
+            self._hi = int(torch.searchsorted(self._cum, q))
+            self._below = int(self._cum[self._hi - 1]) if self._hi else 0
+            self._stage = "low"
+        elif self._stage == "low":
+            low = self._low[1:-1]
+            cum_low = low.cumsum(0)
+            lo = int(torch.searchsorted(cum_low, q - self._below))
+            self._t = torch.tensor((self._hi << 16) | lo, dtype=torch.int32).view(torch.float32)
+            greater = (n - int(self._cum[self._hi])) + (int(cum_low[-1]) - int(cum_low[lo]))
+            self._need = self.k - greater
+            if self._need >= int(low[lo]):
+                return self._finish((self._t, n))
+            self._stage = "ties"
+        else:
+            raise AssertionError("the histograms counted more ties than the slabs hold")
 
 
 class MagnitudeKeep:
@@ -295,30 +379,58 @@ class MagnitudeKeep:
     def __init__(self, deltas: ExpertDeltas, slabs: list[Slab], params: MergeParams, ctx: TensorContext) -> None:
         self.deltas, self.slabs, self.params = deltas, slabs, params
         self._cut: dict[int, tuple[torch.Tensor, int] | None] = {}
+        self._search: dict[int, MagnitudeSearch] = {}
+        self._nonfinite: set[int] = set()
 
     def start_pass(self, i: int, record: bool) -> None:
         """Masks come from the thresholds each time: nothing to record."""
 
-    def whole_tensor_only(self, i: int) -> bool:
-        """Prepare expert i; True when it needs the whole-tensor form (infinities or NaN)."""
+    def begin(self, i: int, held: bool) -> bool:
+        """Start expert i's threshold search; False when it needs no pass over the slabs. held:
+        all of the expert's rows are at hand, so its zeros are counted on stored bits first
+        (else in the search's first pass)."""
         density, n = self.params["density"][i], self.deltas.numel
         k = max(1, int(density * n))
         if density >= 1.0 or k >= n:
             self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
             return False
+        nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs) if held else None
+        self._search[i] = search = MagnitudeSearch(n, k, nonzero)
+        return not self._end(i, search)
 
-        width = self.deltas.width
+    def searching(self, i: int) -> bool:
+        """Whether expert i's search still needs the rest of this pass."""
+        return not self._search[i].satisfied
 
-        def deltas() -> Iterator[torch.Tensor | int]:
-            for _, a, b in self.slabs:
-                yield (b - a) * width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b)
+    def start_search(self, i: int) -> None:
+        self._search[i].start_pass()
 
-        nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs)
-        cut = magnitude_threshold(deltas, n, k, nonzero)
+    def feed(self, i: int, slab: Slab) -> None:
+        _, a, b = slab
+        search = self._search[i]
+        search.feed((b - a) * self.deltas.width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b))
+
+    def end_search(self, i: int) -> bool:
+        """Close a pass of expert i's search; True once its threshold is known."""
+        search = self._search[i]
+        search.end_pass()
+        return self._end(i, search)
+
+    def _end(self, i: int, search: MagnitudeSearch) -> bool:
+        if not search.done:
+            return False
+        cut = search.result
         # A zero threshold drops only zeros, and a zero times the mask is the same zero: the
         # mask changes nothing, so none is applied.
         self._cut[i] = None if cut is not None and float(cut[0]) == 0.0 else cut
-        return cut is None
+        if cut is None:
+            self._nonfinite.add(i)
+        del self._search[i]
+        return True
+
+    def whole_tensor_only(self, i: int) -> bool:
+        """Whether expert i needs the whole-tensor form (infinities or NaN)."""
+        return i in self._nonfinite
 
     def keeps_all(self, i: int) -> bool:
         """Whether the whole-tensor form leaves expert i's delta alone, unscaled too (with a
@@ -352,6 +464,9 @@ class RandomKeep:
         self._packed: dict[tuple[int, int], np.ndarray] = {}
         self._current: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (block, its mask)
         self._recording: set[int] = set()
+
+    def begin(self, i: int, held: bool) -> bool:
+        return False  # masks need no tensor-wide quantity
 
     def whole_tensor_only(self, i: int) -> bool:
         return False
@@ -400,62 +515,135 @@ class RandomKeep:
 KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "MagnitudeKeep | RandomKeep"]
 
 
+class Windows(Protocol):
+    """One tensor's rows as the executor reads them from storage, a window of rows at a time:
+    `rows` are the windows' row ranges in order (each a run of whole slabs), and load(w,
+    experts) gives window w's base rows as stored and, for each expert asked for, the runs of
+    rows it was planned in within the window (ExpertRows, rows of the whole tensor)."""
+
+    rows: list[tuple[int, int]]
+    shape: tuple[int, ...]
+    k: int
+    widens: bool
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def load(self, w: int, experts: Sequence[int]) -> tuple[torch.Tensor, dict[int, list]]: ...
+
+
+def windows_of(slabs: list[Slab], rows: int) -> list[tuple[int, int]]:
+    """The slabs' rows in windows of about `rows` rows, each a run of whole slabs (one slab at
+    least)."""
+    out: list[tuple[int, int]] = []
+    for _, a, b in slabs:
+        if out and b - out[-1][0] <= rows:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
 class SlabMerge:
-    """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab."""
+    """One tensor's sparsified, optionally elected, weighted sum of deltas, slab by slab: over
+    rows at hand (an ExpertSource's), or over Windows that read them from storage a window at a
+    time, each pass over the slabs walking the windows in order."""
 
     def __init__(
         self,
         base: torch.Tensor | None,
-        experts: ExpertSource,
+        experts: ExpertSource | None,
         params: MergeParams,
         ctx: TensorContext,
         keep: KeepFactory,
+        windows: Windows | None = None,
     ) -> None:
         """base None: widened from the source's stored base slab by slab (ExpertDeltas)."""
         self.base, self.params = base, params
-        self.deltas = ExpertDeltas(base, experts)
+        self.windows = windows
+        self.deltas = ExpertDeltas(base, experts) if windows is None else ExpertDeltas.windowed(windows)
         self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
         self.keeps = keep(self.deltas, self.slabs, params, ctx)
         self._ratio: dict[int, torch.Tensor | None] = {}
         self._inert: set[int] = set()
 
     def prepare(self, i: int) -> bool:
-        """Gather expert i's whole-tensor statistics; False when it needs the whole-tensor form."""
+        """Gather expert i's whole-tensor statistics from its rows at hand; False when it needs
+        the whole-tensor form."""
         self.deltas.fetch(i)
-        if self.keeps.whole_tensor_only(i):
+        return self.gather([i])
+
+    def gather(self, experts: Sequence[int]) -> bool:
+        """Gather these experts' whole-tensor statistics, all of them in each pass over the
+        slabs; False when one needs the whole-tensor form."""
+        held = self.windows is None
+        searching = [i for i in experts if self.keeps.begin(i, held)]
+        while searching:
+            for i in searching:
+                self.keeps.start_search(i)
+            for slab, live in self._walk(searching, self.keeps.searching):
+                for i in live:
+                    self.keeps.feed(i, slab)
+            searching = [i for i in searching if not self.keeps.end_search(i)]
+        if any(self.keeps.whole_tensor_only(i) for i in experts):
             return False
         if self.params["rescale"]:
-            self._ratio[i] = self._rescale_ratio(i)
-        ratio = self._ratio.get(i)
-        if math.isfinite(self.params["weight"][i]) and (ratio is None or bool(torch.isfinite(ratio))):
-            self._inert.add(i)
+            self._rescale_ratios([i for i in experts if not self.keeps.keeps_all(i)])
+        for i in experts:
+            ratio = self._ratio.get(i)
+            if math.isfinite(self.params["weight"][i]) and (ratio is None or bool(torch.isfinite(ratio))):
+                self._inert.add(i)
         return True
+
+    def _walk(
+        self, experts: Sequence[int], wanted: Callable[[int], bool] = lambda i: True, slabs: list[Slab] | None = None
+    ) -> Iterator[tuple[Slab, list[int]]]:
+        """Each slab in order, with the experts still wanted in it: windows are loaded for
+        those, and a pass ends early once none is wanted."""
+        if self.windows is None:
+            for slab in self.slabs if slabs is None else slabs:
+                yield slab, [i for i in experts if wanted(i)]
+            return
+        at = 0
+        for w, (r0, r1) in enumerate(self.windows.rows):
+            live = [i for i in experts if wanted(i)]
+            if not live:
+                return
+            self.deltas.load(r0, *self.windows.load(w, live))
+            while at < len(self.slabs) and self.slabs[at][2] <= r1:
+                yield self.slabs[at], [i for i in live if wanted(i)]
+                at += 1
+
+    def _rescale_ratios(self, scaling: list[int]) -> None:
+        """sparsify.l1_rescale's factors: the L1 norm of each delta over that of its kept part
+        (None: left unscaled, as l1_rescale leaves it below 1e-7; also where nothing is dropped,
+        where l1_rescale's factor would be exactly 1). Masks drawn here are kept for the merge
+        when the rows are at hand; over windows they are drawn again."""
+        sums = {i: (AbsSum(), AbsSum()) for i in scaling}
+        for i in scaling:
+            self.keeps.start_pass(i, record=self.windows is None)
+        for slab, live in self._walk(scaling):
+            _, a, b = slab
+            for i in live:
+                original, kept = sums[i]
+                if self.deltas.zero(i, a, b):
+                    original.add_zeros((b - a) * self.deltas.width)
+                    kept.add_zeros((b - a) * self.deltas.width)
+                    continue
+                tau = self.deltas.tau(i, a, b)
+                mask = self.keeps.keep(i, slab, tau)
+                magnitudes = tau.abs()
+                original.add(magnitudes)
+                kept.add(magnitudes if mask is None else magnitudes.mul_(mask))  # |tau * keep|
+        for i in scaling:
+            self.keeps.start_pass(i, record=False)
+            original, kept = sums[i]
+            self._ratio[i] = rescale_factor(original.result(), kept.result(), torch.float32)
 
     def _zero(self, i: int, slab: Slab) -> bool:
         """Whether w_i * sparsify(tau_i) is ±0 all over the slab: tau_i is +0 there, and a mask,
         a finite rescale factor and a finite weight keep a zero a zero. Adding ±0 to a sum that
         began at +0 changes no bit of it (such a sum is never -0), so these slabs are skipped."""
         return i in self._inert and self.deltas.zero(i, slab[1], slab[2])
-
-    def _rescale_ratio(self, i: int) -> torch.Tensor | None:
-        """sparsify.l1_rescale's factor: the L1 norm of the delta over that of the kept part
-        (None: left unscaled, as l1_rescale leaves it below 1e-7)."""
-        if self.keeps.keeps_all(i):
-            return None  # nothing dropped: l1_rescale's factor would be exactly 1
-        original, kept = AbsSum(), AbsSum()
-        self.keeps.start_pass(i, record=True)
-        for slab in self.slabs:
-            if self.deltas.zero(i, slab[1], slab[2]):
-                original.add_zeros((slab[2] - slab[1]) * self.deltas.width)
-                kept.add_zeros((slab[2] - slab[1]) * self.deltas.width)
-                continue
-            tau = self.deltas.tau(i, slab[1], slab[2])
-            mask = self.keeps.keep(i, slab, tau)
-            magnitudes = tau.abs()
-            original.add(magnitudes)
-            kept.add(magnitudes if mask is None else magnitudes.mul_(mask))  # |tau * keep|
-        self.keeps.start_pass(i, record=False)
-        return rescale_factor(original.result(), kept.result(), torch.float32)
 
     def delta(self, i: int, slab: Slab) -> torch.Tensor:
         """w_i * sparsify(tau_i) over the slab, with gta's operations: tau * keep (in place
@@ -478,23 +666,54 @@ class SlabMerge:
         normalize, the weighted mean) of the deltas that agree with it. The fp32 result goes
         into `out`, slab by slab, rounded to its dtype as .to() rounds it (by default a fresh
         fp32 tensor). `out` may be the base, or the stored base: a slab's base rows are not
-        read after the slab is done. Experts whose delta is ±0 over a slab (_zero) are left out
-        of it: they add nothing to the sums and agree with no sign."""
+        read after the slab is done."""
+        out = torch.empty(self.deltas.shape, dtype=torch.float32) if out is None else out
+        self._elect(as_rows(out), 0, self.slabs, in_place=out is self.base)
+        return out
+
+    def elect_windows(self, out_dtype: torch.dtype, write: Callable[[int, torch.Tensor], None]) -> None:
+        """elect() over the windows, each window's result (rows, `out_dtype`) handed to
+        write(first row, rows) as soon as it is made."""
+        for w, (r0, r1) in enumerate(self.windows.rows):
+            self.deltas.load(r0, *self.windows.load(w, range(self.deltas.k)))
+            out = torch.empty((r1 - r0, self.deltas.width), dtype=out_dtype)
+            self._elect(out, r0, [s for s in self.slabs if r0 <= s[1] < r1], in_place=False)
+            write(r0, out)
+
+    def sum_windows(
+        self, out_dtype: torch.dtype, write: Callable[[int, torch.Tensor], None], denominator: float | None
+    ) -> None:
+        """The merge without an election (gta's: base + lambda * sum_i w_i * sparsify(tau_i),
+        divided by `denominator` when one is given) over the windows, each window's rows handed
+        to write()."""
+        params = self.params
+        for w, (r0, r1) in enumerate(self.windows.rows):
+            self.deltas.load(r0, *self.windows.load(w, range(self.deltas.k)))
+            mixed = torch.zeros((r1 - r0, self.deltas.width), dtype=torch.float32)
+            inside = [s for s in self.slabs if r0 <= s[1] < r1]
+            for i in range(self.deltas.k):
+                self._add_slabs(mixed, r0, i, inside)
+            if denominator is not None:
+                mixed.div_(denominator)
+            write(r0, mixed.mul_(params["lambda"]).add_(self.deltas.base(r0, r1)).to(out_dtype))
+
+    def _elect(self, out_rows: torch.Tensor, row0: int, slabs: list[Slab], in_place: bool) -> None:
+        """elect() of these slabs into out_rows, whose first row is row `row0` of the tensor.
+        Experts whose delta is ±0 over a slab (_zero) are left out of it: they add nothing to
+        the sums and agree with no sign. in_place: out_rows are the fp32 base itself, so
+        unchanged rows need no writing."""
         params, deltas = self.params, self.deltas
-        out = torch.empty(deltas.shape, dtype=torch.float32) if out is None else out
-        out_rows = as_rows(out)
-        in_place = out is self.base  # the fp32 base itself: unchanged rows need no writing
-        direct = out.dtype == torch.float32  # else each slab is made in a buffer, then rounded
+        direct = out_rows.dtype == torch.float32  # else each slab is made in a buffer, then rounded
         # Where every delta is ±0 the mixed value is +0 and the result base + (+0 * lambda).
         untouched = 0.0 * params["lambda"] if math.isfinite(params["lambda"]) else None
         # The sums, the agreement mask and the rounded result reuse five buffers: fresh
         # slab-sized tensors for each slab cost more than the arithmetic on them.
         width = deltas.width
-        buffers = torch.empty(5, max((b - a for _, a, b in self.slabs), default=0) * width, dtype=torch.float32)
-        for slab in self.slabs:
+        buffers = torch.empty(5, max((b - a for _, a, b in slabs), default=0) * width, dtype=torch.float32)
+        for slab in slabs:
             _, a, b = slab
             total, num, den, agree, result = (buf[: (b - a) * width].view(b - a, width) for buf in buffers)
-            target = out_rows[a:b] if direct else result
+            target = out_rows[a - row0 : b - row0] if direct else result
             live = [i for i in range(deltas.k) if not self._zero(i, slab)]
             if not live and untouched is not None:
                 if not in_place:
@@ -522,12 +741,13 @@ class SlabMerge:
                 mixed = num.div_(den) if params["normalize"] else num
                 torch.add(mixed.mul_(params["lambda"]), deltas.base(a, b), out=target)
             if not direct:
-                out_rows[a:b].copy_(target)
-        return out
+                out_rows[a - row0 : b - row0].copy_(target)
 
     def add_into(self, mixed: torch.Tensor, i: int) -> None:
         """mixed += w_i * sparsify(tau_i), slab by slab (the sum without an election)."""
-        mixed_rows = as_rows(mixed)
-        for slab in self.slabs:
+        self._add_slabs(as_rows(mixed), 0, i, self.slabs)
+
+    def _add_slabs(self, mixed_rows: torch.Tensor, row0: int, i: int, slabs: list[Slab]) -> None:
+        for slab in slabs:
             if not self._zero(i, slab):  # a ±0 leaves the sum as it is
-                mixed_rows[slab[1] : slab[2]] += self.delta(i, slab)
+                mixed_rows[slab[1] - row0 : slab[2] - row0] += self.delta(i, slab)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-ROLES = ("header", "base", "expert", "output", "checksum", "sidecar", "upload")
+# reread: bytes read again by a merge in passes over windows (execute.windows), beyond the
+# base and expert bytes the plan counts once.
+ROLES = ("header", "base", "expert", "reread", "output", "checksum", "sidecar", "upload")
 
 
 class ByteLedger:

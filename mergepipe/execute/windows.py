@@ -1,0 +1,118 @@
+"""One large tensor's rows read from storage a window at a time, for operators that merge in
+passes over windows (operators.slabs.Windows): TIES and DARE under a memory budget."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+from mergepipe import torch
+from mergepipe.index.blocks import byte_range
+from mergepipe.plan.record import Plan
+from mergepipe.storage.reader import RangeReader, ReadRequest
+from mergepipe.storage.safetensors_format import DTYPES, decode
+
+# Key of the base's rows among a window's pieces (experts are 0..K-1).
+BASE = -1
+
+
+class StoredWindows:
+    """A tensor's base rows and each expert's planned rows, window by window.
+
+    A pass walks the windows in order, so the first windows are kept once read, while they fit
+    `keep_bytes` (dropping the least recently used would drop each window just before the next
+    pass wants it); the others are read again in each pass. A piece's first read counts in the
+    ledger under its role (base, expert), as the plan counted it; any later read of it counts
+    as `reread`."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        name: str,
+        reader: RangeReader,
+        requests: tuple[ReadRequest, dict[int, ReadRequest]],
+        runs: dict[int, list[tuple[int, int]]],
+        rows: list[tuple[int, int]],
+        keep_bytes: int,
+        to_compute: Callable[[torch.Tensor], torch.Tensor],
+        widens: bool,
+    ) -> None:
+        self.plan, self.name, self.reader = plan, name, reader
+        self.base_request, self.expert_requests = requests
+        self.runs = runs
+        self.rows = rows
+        t = plan.inputs[0].tensors[name]
+        self.shape = tuple(t.shape)
+        self.k = len(plan.inputs) - 1
+        self.width = math.prod(self.shape[1:])
+        self._to_compute = to_compute
+        self.widens = widens
+        self._keep_left = keep_bytes
+        self._kept: dict[tuple[int, int], object] = {}
+        self._seen: set[tuple[int, int]] = set()
+
+    @property
+    def read_any(self) -> bool:
+        return bool(self._seen)
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        return self._to_compute(t)
+
+    def load(self, w: int, experts: Sequence[int]) -> tuple[torch.Tensor, dict[int, list]]:
+        wanted = [BASE, *experts]
+        missing = [key for key in wanted if (w, key) not in self._kept]
+        got = dict(zip(missing, self._read(w, missing)))
+        if w + 1 < len(self.rows):  # the kernel reads the next window while this one is used
+            self.reader.prefetch([self._request(w + 1, key, True) for key in wanted if key == BASE or key in self.runs])
+        for key, value in got.items():
+            size = _nbytes(value)
+            if size <= self._keep_left:
+                self._kept[(w, key)] = value
+                self._keep_left -= size
+        pieces = {key: self._kept[(w, key)] if (w, key) in self._kept else got[key] for key in wanted}
+        return pieces[BASE], {k: pieces[k] for k in experts}
+
+    def _request(self, w: int, key: int, first: bool) -> ReadRequest:
+        """The byte ranges of a piece of window w: the base's rows, or an expert's planned rows
+        within the window."""
+        r0, r1 = self.rows[w]
+        model = 0 if key == BASE else key + 1
+        t = self.plan.inputs[model].tensors[self.name]
+        size = DTYPES[t.dtype].itemsize
+        if key == BASE:
+            ranges, req = [byte_range(t.start, t.shape, size, r0, r1)], self.base_request
+        else:
+            ranges = [byte_range(t.start, t.shape, size, a, b) for a, b in self._inside(key, w)]
+            req = self.expert_requests[key]
+        role = req.role if first else "reread"
+        return ReadRequest(req.path, ranges, role, req.model, req.file)
+
+    def _inside(self, k: int, w: int) -> list[tuple[int, int]]:
+        r0, r1 = self.rows[w]
+        return [(max(a, r0), min(b, r1)) for a, b in self.runs.get(k, ()) if a < r1 and b > r0]
+
+    def _read(self, w: int, keys: list[int]) -> list[object]:
+        keys_read = [key for key in keys if key == BASE or self._inside(key, w)]
+        requests = []
+        for key in keys_read:
+            requests.append(self._request(w, key, first=(w, key) not in self._seen))
+            self._seen.add((w, key))
+        raws = dict(zip(keys_read, self.reader.read_batch(requests)))
+        out = []
+        for key in keys:
+            if key == BASE:
+                r0, r1 = self.rows[w]
+                out.append(decode(raws[key][0], self.plan.inputs[0].tensors[self.name].dtype, (r1 - r0, self.width)))
+                continue
+            dtype = self.plan.inputs[key + 1].tensors[self.name].dtype
+            runs = self._inside(key, w)
+            out.append(
+                [((a, b), decode(raw, dtype, (b - a, self.width))) for (a, b), raw in zip(runs, raws.get(key, ()))]
+            )
+        return out
+
+
+def _nbytes(value) -> int:
+    if isinstance(value, list):
+        return sum(v.numel() * v.element_size() for _, v in value)
+    return value.numel() * value.element_size()
