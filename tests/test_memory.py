@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
@@ -17,9 +18,11 @@ from mergepipe.execute.group import GroupMerger
 from mergepipe.execute.memory import element_runs
 from mergepipe.flows.merge import merge
 from mergepipe.operators import slabs
-from mergepipe.plan import saved
+from mergepipe.operators.rows import as_rows
+from mergepipe.plan import choose, saved
 
 from .helpers import config_for
+from .reference import load_model
 
 runner = CliRunner()
 
@@ -70,16 +73,27 @@ def test_streamed_merges_equal_whole_merges_bit_for_bit(
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
 @pytest.mark.parametrize(
-    "method,extra", [("ties", {}), ("dare_ties", {}), ("dare_linear", {}), ("ties", {"dtype": "float16"})]
+    "method,extra,bounded",
+    [
+        ("ties", {}, False),
+        ("ties", {}, True),
+        ("dare_ties", {}, False),
+        ("dare_linear", {}, False),
+        ("ties", {"dtype": "float16"}, True),
+    ],
 )
 def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
-    bf16_family, tmp_path, session_catalog, monkeypatch, method, extra, share
+    bf16_family, tmp_path, session_catalog, monkeypatch, method, extra, bounded, share
 ):
     """TIES and DARE over tensors larger than a group's share: windows of rows read in passes
     (the thresholds, the rescale norms, the merge), keeping none of them between passes or
     about half. The bytes of the whole merge; the planned bytes read once as base and expert
-    bytes, every later read counted as `reread`, within the plan's prediction."""
+    bytes, every later read counted as `reread`, within the plan's prediction. bounded: every
+    tensor's plan carries the index's bounds on nonzero deltas (which may settle a threshold
+    before any pass)."""
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)  # slabs of a few rows: windows of a few slabs
+    monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0 if bounded else 1 << 60)
+    saved.load.cache_clear()  # plans of the same digest, made with or without the bounds
     cfg = config_for(tmp_path, bf16_family, method, density=0.5, budget="60%", **extra)
     whole = merge(config=str(cfg), out=str(tmp_path / "whole"), catalog=session_catalog)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
@@ -104,8 +118,33 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     assert got["bytes"]["base"] == whole["bytes"]["base"] and whole["bytes"]["reread"] == 0
     reread, predicted = got["bytes"]["reread"], got["memory"]["reread_bytes_max"]
     # every method here makes two passes or more (dare_linear and dare_ties rescale by default)
-    assert memory.tensor_need(*saved.load(got["plan_dir"]), largest.group, largest.name).passes >= 2
+    plan, layout = saved.load(got["plan_dir"])
+    assert memory.tensor_need(plan, layout, largest.group, largest.name).passes >= 2
     assert 0 < reread <= predicted
+    assert bool(plan.nonzero_bounds) == bounded
+
+
+def test_plans_bound_each_large_tensors_nonzero_deltas_by_its_read_blocks_differing_elements(
+    bf16_family, tmp_path, session_catalog, monkeypatch
+):
+    """planner.nonzero_bounds: per tensor and expert, the elements of the planned rows whose
+    stored bits differ from the base's (a delta is nonzero only there)."""
+    monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0)
+    saved.load.cache_clear()
+    cfg = config_for(tmp_path, bf16_family, "ties", density=0.5, budget="40%")
+    plan, _ = saved.load(merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)["plan_dir"])
+    base = load_model(bf16_family.base)
+    experts = [load_model(e) for e in bf16_family.experts]
+    access = plan.access.to_pylist()
+    assert plan.nonzero_bounds.keys() == {n for n, t in base.items() if t.is_floating_point() and t.numel()}
+    for name, bounds in plan.nonzero_bounds.items():
+        b = as_rows(base[name])
+        for k, bound in enumerate(bounds):
+            x = as_rows(experts[k][name])
+            width = torch.int16 if x.element_size() == 2 else torch.int32
+            differ = x.view(width) != b.view(width)
+            rows = [(r["row_start"], r["row_end"]) for r in access if r["expert"] == k and r["tensor"] == name]
+            assert bound == sum(int(differ[r0:r1].sum()) for r0, r1 in rows), (name, k)
 
 
 def test_a_budget_too_small_is_refused_before_reading_and_plan_says_so(

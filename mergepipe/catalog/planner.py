@@ -106,6 +106,41 @@ def nonfinite_candidates(con: duckdb.DuckDBPyConnection) -> tuple[tuple[int, str
     return (first[0] if first else None), n, omitted, nbytes
 
 
+def nonzero_bounds(
+    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, expert_fps: list[str], min_bytes: int
+) -> dict[str, list[int | None]]:
+    """Per tensor of at least min_bytes (stored, per expert), per expert: at most how many
+    elements of its delta the selection makes nonzero, which is the sum of the selected
+    blocks' differing elements (an element read but stored as the base stores it has a zero
+    delta, and one not read has base - base). None where some block of that tensor has a
+    delta that is not finite: there base - base is NaN, not zero. Runs after the selection."""
+    con.register(
+        "plan_experts_in",
+        pa.table({"expert": pa.array(range(len(expert_fps)), pa.int32()), "expert_fp": pa.array(expert_fps)}),
+    )
+    try:
+        rows = con.execute(
+            """
+            SELECT e.expert, s.tensor,
+                   CASE WHEN bool_and(NOT isinf(s.delta_sq))
+                        THEN coalesce(sum(s.nnz_delta) FILTER (WHERE c.selected), 0) END AS at_most
+            FROM block_stats s
+            JOIN plan_experts_in e ON e.expert_fp = s.expert_fp
+            LEFT JOIN plan_candidates c ON c.expert = e.expert AND c.tensor = s.tensor AND c.block = s.block
+            WHERE s.base_fp = $base_fp AND s.block_size = $block_size
+            GROUP BY e.expert, s.tensor
+            HAVING sum(s.bytes) >= $min_bytes
+            """,
+            {"base_fp": base_fp, "block_size": block_size, "min_bytes": min_bytes},
+        ).fetchall()
+    finally:
+        con.unregister("plan_experts_in")
+    out: dict[str, list[int | None]] = {}
+    for expert, tensor, at_most in sorted(rows, key=lambda r: (r[1], r[0])):
+        out.setdefault(tensor, [None] * len(expert_fps))[expert] = None if at_most is None else int(at_most)
+    return out
+
+
 def smallest_candidate(con: duckdb.DuckDBPyConnection) -> int | None:
     """Bytes of the smallest pair worth reading (None: no candidate at all)."""
     return con.execute("SELECT min(bytes) FROM plan_candidates").fetchall()[0][0]

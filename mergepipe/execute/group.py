@@ -240,7 +240,7 @@ class GroupMerger:
             self.written.update(data)
             write_at(out_path, out.start + first_row * row_bytes, data, self.ledger)
 
-        ctx = self._context(name)
+        ctx = self._context(name, nonzero_at_most=tuple(self.plan.nonzero_bounds.get(name, ())))
         return self.op.merge_windows(windows, self.params.for_tensor(name), ctx, DTYPES[out.dtype].torch, write)
 
     def _context(self, name: str, **kw) -> TensorContext:

@@ -146,13 +146,16 @@ class TensorContext:
     keep: draws a keep-mask for an expert from per-element keep probabilities (a tensor of the
     delta's shape, or a 0-d one); by default from generators seeded per block. Tests replace it
     to replay masks another implementation drew.
-    base_reusable: merge() may overwrite `base` with its result (one tensor-sized buffer fewer)."""
+    base_reusable: merge() may overwrite `base` with its result (one tensor-sized buffer fewer).
+    nonzero_at_most: per expert, at most how many elements of its delta are nonzero (None or
+    missing: unknown), from the index's statistics, so that a search can end before a pass."""
 
     name: str
     block_rows: tuple[tuple[int, int], ...]
     seed: int
     keep: Callable[[int, torch.Tensor, "TensorContext"], torch.Tensor] = field(default=default_keep, compare=False)
     base_reusable: bool = field(default=False, compare=False)
+    nonzero_at_most: tuple[int | None, ...] = field(default=(), compare=False)
 
 
 class ExpertSource(Sequence):

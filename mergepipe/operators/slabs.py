@@ -377,7 +377,7 @@ class MagnitudeKeep:
     """TIES's keep-mask per slab, from each expert's threshold over the whole tensor."""
 
     def __init__(self, deltas: ExpertDeltas, slabs: list[Slab], params: MergeParams, ctx: TensorContext) -> None:
-        self.deltas, self.slabs, self.params = deltas, slabs, params
+        self.deltas, self.slabs, self.params, self.ctx = deltas, slabs, params, ctx
         self._cut: dict[int, tuple[torch.Tensor, int] | None] = {}
         self._search: dict[int, MagnitudeSearch] = {}
         self._nonfinite: set[int] = set()
@@ -394,7 +394,14 @@ class MagnitudeKeep:
         if density >= 1.0 or k >= n:
             self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
             return False
-        nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs) if held else None
+        if held:
+            nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs)
+        else:
+            # A bound from the index that leaves zeros enough for the rank settles t = 0 now;
+            # else the search counts them in its first pass.
+            bounds = self.ctx.nonzero_at_most
+            bound = bounds[i] if i < len(bounds) else None
+            nonzero = bound if bound is not None and n - bound >= n - k + 1 else None
         self._search[i] = search = MagnitudeSearch(n, k, nonzero)
         return not self._end(i, search)
 

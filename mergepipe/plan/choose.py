@@ -14,6 +14,11 @@ from mergepipe.operators import get_operator
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan, build_plan, error_bound, full_expert_bytes
 
+# Tensors of at least this many stored bytes (per expert) carry bounds on their deltas' nonzero
+# counts in the plan: those an operator may merge a window at a time, where the bound can spare
+# TIES a pass over the windows (a threshold of 0 needs no search).
+NONZERO_BOUND_BYTES = 32 << 20
+
 
 def check_nonfinite(
     spec: MergeSpec, family: Family, budget_bytes: int, first, n: int, omitted: int, nbytes: int
@@ -90,6 +95,11 @@ def choose_plan(
             budget_bytes=budget_bytes,
             bound=error_bound(planner.omitted_pairs(con)),
             params=table,
+            nonzero_bounds=planner.nonzero_bounds(
+                con, family.base_fp, spec.block_size_bytes, expert_fps, NONZERO_BOUND_BYTES
+            )
+            if op.windowed
+            else {},
         )
         # Budget soundness is a property of the plan, checked before any expert byte is read.
         if plan.expert_bytes_planned > budget_bytes:

@@ -136,6 +136,9 @@ class Plan:
     access_sha256: str
     n_pairs: int
     access: pa.Table | None = None
+    # Per large tensor, per expert: at most how many elements of its delta are nonzero (None:
+    # unknown), from the catalog (planner.nonzero_bounds); not part of what the plan identifies.
+    nonzero_bounds: dict[str, list[int | None]] = field(default_factory=dict)
 
     @property
     def expert_bytes_planned(self) -> int:
@@ -203,9 +206,11 @@ def build_plan(
     budget_bytes: int,
     bound: float,
     params: ParamTable | None = None,
+    nonzero_bounds: dict[str, list[int | None]] | None = None,
 ) -> Plan:
     """Assemble a plan from a chosen access set (from the planner, or from a manifest).
-    `params`: the per-tensor parameters, when the caller has resolved them already."""
+    `params`: the per-tensor parameters, when the caller has resolved them already;
+    `nonzero_bounds`: planner.nonzero_bounds, where the catalog gave them."""
     access = access.select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     op = get_operator(spec.merge_method)
     params = resolve_tensor_params(spec, family.base.tensors) if params is None else params
@@ -238,4 +243,5 @@ def build_plan(
         access_sha256=access_sha,
         n_pairs=access.num_rows,
         access=access,
+        nonzero_bounds=nonzero_bounds or {},
     )
