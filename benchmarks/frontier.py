@@ -93,6 +93,8 @@ def main() -> None:
                 "peak_anon": m.peak_anon,
                 "peak_rss": m.peak_rss,
                 "expert_bytes_read": r["expert_bytes_read"],
+                "reread_bytes": r["bytes"].get("reread", 0),
+                "reread_bytes_max": r["memory"].get("reread_bytes_max", 0),
                 "full_expert_bytes": r["full_expert_bytes"],
                 "predicted_peak": r["memory"]["predicted_peak"],
                 "workers": r["memory"]["workers"],
@@ -106,7 +108,7 @@ def main() -> None:
                 f"{method} {budget}: {m.seconds:.1f} s (I/O limit {limit['seconds']:.1f} s, "
                 f"{m.seconds / limit['seconds']:.2f}×), anon {m.peak_anon / 2**30:.2f} GiB, "
                 f"rss {m.peak_rss / 2**30:.2f} GiB, predicted {r['memory']['predicted_peak'] / 2**30:.2f} GiB, "
-                f"{r['memory']['workers']} group(s) at once",
+                f"{r['memory']['workers']} group(s) at once, {r['bytes'].get('reread', 0) / 1e9:.2f} GB read again",
                 flush=True,
             )
             args.results.mkdir(parents=True, exist_ok=True)
@@ -130,15 +132,16 @@ def render(results: dict) -> str:
         lines += [f"- index: {i['seconds']:.1f} s, peak anonymous {i['peak_anon'] / gib:.2f} GiB", ""]
     lines += [
         "| operator | budget | --memory | wall s | I/O limit s | × limit | peak anon GiB | peak RSS GiB | "
-        "predicted GiB | groups at once | expert GB read |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "predicted GiB | groups at once | expert GB read | GB read again |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         lim = r["io_limit"]["seconds"]
         lines.append(
             f"| {r['method']} | {r['budget']} | {r.get('memory', '8GiB')} | {r['seconds']:.1f} | {lim:.1f} | "
             f"{r['seconds'] / lim:.2f} | {r['peak_anon'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | "
-            f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} |"
+            f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} | "
+            f"{r.get('reread_bytes', 0) / 1e9:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
