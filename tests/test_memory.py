@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from mergepipe.cli import app
 from mergepipe.errors import BadInput
-from mergepipe.execute import memory
+from mergepipe.execute import group, memory
 from mergepipe.execute.group import GroupMerger
 from mergepipe.execute.memory import element_runs
 from mergepipe.flows.merge import merge
@@ -145,6 +145,39 @@ def test_plans_bound_each_large_tensors_nonzero_deltas_by_its_read_blocks_differ
             differ = x.view(width) != b.view(width)
             rows = [(r["row_start"], r["row_end"]) for r in access if r["expert"] == k and r["tensor"] == name]
             assert bound == sum(int(differ[r0:r1].sum()) for r0, r1 in rows), (name, k)
+
+
+@pytest.mark.parametrize(
+    "method,extra",
+    [
+        ("task_arithmetic", {"budget": "60%"}),
+        ("task_arithmetic", {"budget": "100%", "dtype": "float16", "out_dtype": "bfloat16"}),
+        ("linear", {"budget": "60%"}),
+    ],
+)
+def test_small_tensors_merged_in_batches_give_the_bytes_of_tensor_by_tensor(
+    bf16_family, tmp_path, session_catalog, monkeypatch, method, extra
+):
+    """Consecutive small tensors of an elementwise merge are read, merged and written together
+    (up to a cap that forces several batches here): the same digest and ledger bytes as one
+    tensor at a time."""
+    cfg = config_for(tmp_path, bf16_family, method, **extra)
+    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 0)
+    alone = merge(config=str(cfg), out=str(tmp_path / "alone"), catalog=session_catalog)
+    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(group, "BATCH_ELEMENTS", 40_000)
+    batches = []
+    real = GroupMerger._merge_batch
+
+    def spy(self, batch):
+        batches.append([r.name for r in batch])
+        return real(self, batch)
+
+    monkeypatch.setattr(GroupMerger, "_merge_batch", spy)
+    together = merge(config=str(cfg), out=str(tmp_path / "together"), catalog=session_catalog)
+    assert together["digest"] == alone["digest"]
+    assert together["bytes"] == alone["bytes"]
+    assert len(batches) > 2 and sum(len(b) for b in batches) > 2 * len(batches)
 
 
 def test_a_budget_too_small_is_refused_before_reading_and_plan_says_so(

@@ -9,7 +9,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
-from typing import NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -42,6 +42,12 @@ from mergepipe.storage.writer import group_record, write_at
 # one being merged). Bounded so that prefetched pages are used before memory pressure could
 # evict them.
 PREFETCH_TENSORS = 2
+
+# Float tensors of at most BATCH_TENSOR_ELEMENTS elements are merged by an elementwise operator
+# in batches of up to BATCH_ELEMENTS (execute.group._merge_batch): per tensor, a read, an
+# operator call and a write cost more than the arithmetic on a few thousand elements.
+BATCH_TENSOR_ELEMENTS = 1 << 18
+BATCH_ELEMENTS = 1 << 22
 
 # A base tensor up to WHOLE_BASE_BYTES in fp32 is widened once for its merge. A larger one (an
 # embedding) stays as stored when the operator has a slab form (merge_into): each slab is
@@ -116,16 +122,117 @@ class GroupMerger:
         ahead = [[] if self.op.windowed and self._too_large(r.name) else r.all_requests() for r in reads]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
             try:
-                for r in ahead[:PREFETCH_TENSORS]:
-                    prefetch.submit(self.reader.prefetch, r)
-                for i, r in enumerate(reads):
-                    if i + PREFETCH_TENSORS < len(reads):
-                        prefetch.submit(self.reader.prefetch, ahead[i + PREFETCH_TENSORS])
-                    self._merge_tensor(r)
+                asked = 0  # tensors whose ranges the kernel was asked for
+                done = 0
+                for batch in self._batches(reads):
+                    done += len(batch)
+                    while asked < min(len(reads), done + PREFETCH_TENSORS):
+                        prefetch.submit(self.reader.prefetch, ahead[asked])
+                        asked += 1
+                    if len(batch) == 1:
+                        self._merge_tensor(batch[0])
+                    else:
+                        self._merge_batch(batch)
             finally:
                 prefetch.shutdown(wait=True, cancel_futures=True)
                 self.reader.close()
         return len(names)
+
+    def _batches(self, reads: list[TensorReads]) -> Iterator[list[TensorReads]]:
+        """The group's tensors in order, consecutive small ones of an elementwise merge together
+        (_merge_batch) where they lie one after another in the output and share their dtypes,
+        files and parameters; every other tensor alone."""
+        batch: list[TensorReads] = []
+        key = None
+        held = cap = 0
+        for r in reads:
+            k, size = self._batch_key(r)
+            if batch and (k is None or k != key or held + size > cap or not self._follows(batch[-1], r)):
+                yield batch
+                batch, held = [], 0
+            if k is None:
+                yield [r]
+                continue
+            if not batch:  # a batch holds what its elements need, within the group's share
+                per_element = tensor_need(self.plan, self.layout, self.group, r.name, self.params).per_element
+                cap = BATCH_ELEMENTS if self.per_group is None else min(BATCH_ELEMENTS, self.per_group // per_element)
+            batch.append(r)
+            key, held = k, held + size
+        if batch:
+            yield batch
+
+    def _batch_key(self, r: TensorReads) -> tuple[tuple | None, int]:
+        """What tensors merged in one batch must share (None: this one is merged alone), and
+        its element count."""
+        t = self.plan.inputs[0].tensors[r.name]
+        numel = math.prod(t.shape)
+        if not self.op.elementwise or not DTYPES[t.dtype].is_float or not 0 < numel <= BATCH_TENSOR_ELEMENTS:
+            return None, numel
+        if self.per_group is not None and self._too_large(r.name) is not None:
+            return None, numel
+        out = self.layout.tensors[r.name]
+        experts = tuple((m.tensors[r.name].file, m.tensors[r.name].dtype) for m in self.plan.inputs[1:])
+        params = self.params.by_tensor.get(r.name, 0)
+        return (t.file, t.dtype, out.shard, out.dtype, experts, params), numel
+
+    def _follows(self, before: TensorReads, r: TensorReads) -> bool:
+        return self.layout.tensors[r.name].start == self.layout.tensors[before.name].end
+
+    def _merge_batch(self, batch: list[TensorReads]) -> None:
+        """Small tensors of an elementwise merge, one after another in the output, merged as one
+        run of elements: one read request for their base bytes and one for each expert's
+        planned bytes in them, one operator call, one write. Each element goes through the
+        operations it would go through alone, so the bytes are the same as tensor by tensor."""
+        first = batch[0].name
+        tensors = [self.plan.inputs[0].tensors[r.name] for r in batch]
+        offsets = [0]
+        for t in tensors:
+            offsets.append(offsets[-1] + math.prod(t.shape))
+        base = ReadRequest(
+            batch[0].base.path,
+            _adjacent([(t.start, t.start + t.nbytes) for t in tensors]),
+            "base",
+            "base",
+            tensors[0].file,
+        )
+        pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        byte_ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for r, off, t in zip(batch, offsets, tensors):
+            width = math.prod(t.shape[1:])
+            for k, runs in r.runs.items():
+                x = self.plan.inputs[k + 1].tensors[r.name]
+                size = DTYPES[x.dtype].itemsize
+                for r0, r1 in runs:
+                    pieces[k].append((off + r0 * width, off + r1 * width))
+                    byte_ranges[k].append((x.start + r0 * width * size, x.start + r1 * width * size))
+        order = sorted(pieces)
+        requests = [
+            ReadRequest(
+                next(r.experts[k].path for r in batch if k in r.experts),
+                _adjacent(byte_ranges[k]),
+                "expert",
+                self.plan.inputs[k + 1].role,
+                self.plan.inputs[k + 1].tensors[first].file,
+            )
+            for k in order
+        ]
+        raws = self.reader.read_batch([base, *requests])
+        raw = bytearray().join(raws[0])
+        values = {}
+        for k, bufs in zip(order, raws[1:]):
+            joined = memoryview(bytearray().join(bufs))
+            dtype = self.plan.inputs[k + 1].tensors[first].dtype
+            size, at, values[k] = DTYPES[dtype].itemsize, 0, []
+            for a, b in pieces[k]:
+                values[k].append(decode(joined[at : at + (b - a) * size], dtype, (b - a, 1)))
+                at += (b - a) * size
+        out = self.layout.tensors[first]
+        out_path, out_size = self.staging / out.shard, DTYPES[out.dtype].itemsize
+        params = self.params.for_tensor(first)
+        plain = self.compute_dtype in (None, DTYPES[tensors[0].dtype].torch)
+        for s0, data in self._merge_run(first, raw, 0, offsets[-1], 1, dict(pieces), values, params, plain):
+            self.written.update(data)
+            write_at(out_path, out.start + s0 * out_size, data, self.ledger)
 
     def _tensor_reads(self, name: str, wanted: dict) -> TensorReads:
         """The ranges one tensor needs: the whole base tensor and, for a float tensor, each
@@ -287,7 +394,6 @@ class GroupMerger:
                         )
                     )
             (raw,), *expert_raws = self.reader.read_batch([base, *requests])
-            stored = as_rows(decode(raw, t.dtype, ((e1 - e0) // view, view)))
             values = {
                 k: [
                     decode(r, self.plan.inputs[k + 1].tensors[name].dtype, ((b - a) // view, view))
@@ -295,32 +401,51 @@ class GroupMerger:
                 ]
                 for k, raws in zip(pieces, expert_raws)
             }
-            # Elements no expert was read in are the base's own bytes where the operator adds a
-            # zero there: only zeros, subnormals and NaN go through the formula (base_bits).
-            shortcut = self.op.base_where_no_delta and plain and out.dtype == t.dtype
-            every = [iv for ivs in pieces.values() for iv in ivs]
-            for s0, s1, covered in covering(e0, e1, every) if shortcut else [(e0, e1, True)]:
-                lo, hi = (s0 - e0) // view, (s1 - e0) // view
-                if covered:
-                    rows: dict[int, ExpertRows] = {
-                        k: [
-                            (((a - s0) // view, (b - s0) // view), v)
-                            for (a, b), v in zip(pieces[k], values[k])
-                            if s0 <= a and b <= s1
-                        ]
-                        for k in pieces
-                    }
-                    data = self._merge_elements(
-                        name, stored[lo:hi], {k: r for k, r in rows.items() if r}, params, plain
-                    )
-                else:
-                    data = base_bits(
-                        memoryview(raw)[(s0 - e0) * dt.itemsize : (s1 - e0) * dt.itemsize],
-                        t.dtype,
-                        lambda sub: self._merge_elements(name, sub, {}, params, plain),
-                    )
+            for s0, data in self._merge_run(name, raw, e0, e1, view, pieces, values, params, plain):
                 self.written.update(data)
                 write_at(out_path, out.start + s0 * out_size, data, self.ledger)
+
+    def _merge_run(
+        self,
+        name: str,
+        raw: bytearray,
+        e0: int,
+        e1: int,
+        view: int,
+        pieces: dict[int, list[tuple[int, int]]],
+        values: dict[int, list[torch.Tensor]],
+        params,
+        plain: bool,
+    ) -> Iterator[tuple[int, memoryview]]:
+        """An elementwise merge of elements [e0, e1) of the base (stored as `raw`, in rows of
+        `view`) with each expert's pieces [a, b) inside them (their values as stored, in rows
+        of `view`): (first element, merged bytes) of each stretch, in order."""
+        t = self.plan.inputs[0].tensors[name]
+        dt = DTYPES[t.dtype]
+        stored = as_rows(decode(raw, t.dtype, ((e1 - e0) // view, view)))
+        # Elements no expert was read in are the base's own bytes where the operator adds a
+        # zero there: only zeros, subnormals and NaN go through the formula (base_bits).
+        shortcut = self.op.base_where_no_delta and plain and self.layout.tensors[name].dtype == t.dtype
+        every = [iv for ivs in pieces.values() for iv in ivs]
+        for s0, s1, covered in covering(e0, e1, every) if shortcut else [(e0, e1, True)]:
+            lo, hi = (s0 - e0) // view, (s1 - e0) // view
+            if covered:
+                rows: dict[int, ExpertRows] = {
+                    k: [
+                        (((a - s0) // view, (b - s0) // view), v)
+                        for (a, b), v in zip(pieces[k], values[k])
+                        if s0 <= a and b <= s1
+                    ]
+                    for k in pieces
+                }
+                data = self._merge_elements(name, stored[lo:hi], {k: r for k, r in rows.items() if r}, params, plain)
+            else:
+                data = base_bits(
+                    memoryview(raw)[(s0 - e0) * dt.itemsize : (s1 - e0) * dt.itemsize],
+                    t.dtype,
+                    lambda sub: self._merge_elements(name, sub, {}, params, plain),
+                )
+            yield s0, data
 
     def _merge_elements(
         self, name: str, stored: torch.Tensor, rows: dict[int, ExpertRows], params, plain: bool
@@ -350,6 +475,18 @@ class GroupMerger:
 
     def _to_compute(self, t: torch.Tensor) -> torch.Tensor:
         return _compute(t, self.compute_dtype)
+
+
+def _adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte ranges in the order given, each joined to the one before it where they touch: the
+    bytes read, in order, are the same."""
+    out: list[tuple[int, int]] = []
+    for a, b in ranges:
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
 
 
 def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:
