@@ -169,9 +169,9 @@ def test_small_tensors_merged_in_batches_give_the_bytes_of_tensor_by_tensor(
     batches = []
     real = GroupMerger._merge_batch
 
-    def spy(self, batch):
+    def spy(self, batch, planned):
         batches.append([r.name for r in batch])
-        return real(self, batch)
+        return real(self, batch, planned)
 
     monkeypatch.setattr(GroupMerger, "_merge_batch", spy)
     together = merge(config=str(cfg), out=str(tmp_path / "together"), catalog=session_catalog)

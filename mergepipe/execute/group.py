@@ -116,23 +116,26 @@ class GroupMerger:
         ):
             wanted[(e, t)].append((b, r0, r1))
         reads = [self._tensor_reads(name, wanted) for name in names]
-        # The kernel reads the next tensor's ranges while this one merges: one thread asks for
-        # them (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors ahead. A tensor merged in
-        # passes over windows asks for its next window itself.
-        ahead = [[] if self.op.windowed and self._too_large(r.name) else r.all_requests() for r in reads]
+        # The kernel reads the next tensors' ranges while these merge: one thread asks for them
+        # (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors (or batches) ahead. A tensor
+        # merged in passes over windows asks for its next window itself.
+        batches = list(self._batches(reads))
+        batch_reads = [self._batch_requests(b) if len(b) > 1 else None for b in batches]
+        ahead = [
+            planned[0] if planned else [] if self.op.windowed and self._too_large(b[0].name) else b[0].all_requests()
+            for b, planned in zip(batches, batch_reads)
+        ]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
             try:
-                asked = 0  # tensors whose ranges the kernel was asked for
-                done = 0
-                for batch in self._batches(reads):
-                    done += len(batch)
-                    while asked < min(len(reads), done + PREFETCH_TENSORS):
-                        prefetch.submit(self.reader.prefetch, ahead[asked])
-                        asked += 1
+                for requests in ahead[:PREFETCH_TENSORS]:
+                    prefetch.submit(self.reader.prefetch, requests)
+                for i, batch in enumerate(batches):
+                    if i + PREFETCH_TENSORS < len(batches):
+                        prefetch.submit(self.reader.prefetch, ahead[i + PREFETCH_TENSORS])
                     if len(batch) == 1:
                         self._merge_tensor(batch[0])
                     else:
-                        self._merge_batch(batch)
+                        self._merge_batch(batch, batch_reads[i])
             finally:
                 prefetch.shutdown(wait=True, cancel_futures=True)
                 self.reader.close()
@@ -178,11 +181,12 @@ class GroupMerger:
     def _follows(self, before: TensorReads, r: TensorReads) -> bool:
         return self.layout.tensors[r.name].start == self.layout.tensors[before.name].end
 
-    def _merge_batch(self, batch: list[TensorReads]) -> None:
-        """Small tensors of an elementwise merge, one after another in the output, merged as one
-        run of elements: one read request for their base bytes and one for each expert's
-        planned bytes in them, one operator call, one write. Each element goes through the
-        operations it would go through alone, so the bytes are the same as tensor by tensor."""
+    def _batch_requests(
+        self, batch: list[TensorReads]
+    ) -> tuple[list[ReadRequest], dict[int, list[tuple[int, int]]], list[int]]:
+        """A batch's reads: the base's bytes, then each expert's planned bytes (experts in
+        order), adjacent ranges joined; each expert's pieces, as ranges of elements of the
+        batch's tensors laid end to end; and where each tensor starts among them."""
         first = batch[0].name
         tensors = [self.plan.inputs[0].tensors[r.name] for r in batch]
         offsets = [0]
@@ -205,7 +209,6 @@ class GroupMerger:
                 for r0, r1 in runs:
                     pieces[k].append((off + r0 * width, off + r1 * width))
                     byte_ranges[k].append((x.start + r0 * width * size, x.start + r1 * width * size))
-        order = sorted(pieces)
         requests = [
             ReadRequest(
                 next(r.experts[k].path for r in batch if k in r.experts),
@@ -214,15 +217,30 @@ class GroupMerger:
                 self.plan.inputs[k + 1].role,
                 self.plan.inputs[k + 1].tensors[first].file,
             )
-            for k in order
+            for k in sorted(pieces)
         ]
-        raws = self.reader.read_batch([base, *requests])
+        return [base, *requests], dict(pieces), offsets
+
+    def _merge_batch(self, batch: list[TensorReads], planned: tuple) -> None:
+        """Small tensors of an elementwise merge, one after another in the output, merged as one
+        run of elements (`planned`: their _batch_requests): one read request for their base
+        bytes and one for each expert's planned bytes in them, then merged and written as one
+        tensor's run is (_merge_run). Each element goes through the operations it would go
+        through alone, so the bytes are the same as tensor by tensor."""
+        first = batch[0].name
+        tensors = [self.plan.inputs[0].tensors[r.name] for r in batch]
+        requests, pieces, offsets = planned
+        pieces, order = dict(pieces), sorted(pieces)
+        raws = self.reader.read_batch(requests)
         raw = bytearray().join(raws[0])
         values = {}
         for k, bufs in zip(order, raws[1:]):
+            # The pieces' bytes lie in `joined` in their order: adjacent pieces (whole tensors
+            # read one after another) become one, so the operator steps over few long runs.
             joined = memoryview(bytearray().join(bufs))
             dtype = self.plan.inputs[k + 1].tensors[first].dtype
             size, at, values[k] = DTYPES[dtype].itemsize, 0, []
+            pieces[k] = _adjacent(pieces[k])
             for a, b in pieces[k]:
                 values[k].append(decode(joined[at : at + (b - a) * size], dtype, (b - a, 1)))
                 at += (b - a) * size

@@ -10,6 +10,10 @@ TIES's magnitude threshold (an exact radix selection on the bit patterns of |del
 L1 norms that rescaling needs (numpy's sum, regrouped so that pieces add up exactly as the
 whole array does). Each element then goes through the same torch operations in the same order
 as in gta.py, so results do not depend on the form (tests compare them bit for bit).
+
+The rows may be at hand (an ExpertSource's) or read from storage a window at a time (Windows,
+for a tensor too large to hold): then every pass walks the windows in order, all experts
+together, and only the windows' rows are held.
 """
 
 from __future__ import annotations
