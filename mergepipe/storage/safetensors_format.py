@@ -83,12 +83,15 @@ class _DuplicateKey(Exception):
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads keeps the last of two equal keys; a header naming a tensor twice is corrupt."""
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
+    """json.loads keeps the last of two equal keys; a header naming a tensor twice is corrupt.
+    (dict() builds the object in C; the keys are walked in Python only to name a duplicate.)"""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
     return out
 
 
