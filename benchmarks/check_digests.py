@@ -1,6 +1,7 @@
 """Merge the LLM-shaped benchmark family again and compare each digest with the one its benchmark
 run recorded (benchmarks/results/*/results.json): a refactor that claims to change no output
-shows here that it changed none.
+shows here that it changed none. With --memory, under a memory budget small enough that large
+tensors are merged in parts (runs of rows, windows of rows in passes).
 
     .venv/bin/python benchmarks/llm_family.py --out /work/bench-data/llm --experts 4
     .venv/bin/python benchmarks/check_digests.py --data /work/bench-data/llm --k 2,4 --budgets 10,100
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--k", default="2,4")
     ap.add_argument("--operators", default="task_arithmetic,ties,dare_ties")
     ap.add_argument("--budgets", default="10,100")
+    ap.add_argument("--memory", default=None, help="each merge's --memory (the digest must not change with it)")
     args = ap.parse_args()
     recorded = recorded_digests()
     scratch = Path(tempfile.mkdtemp(prefix="mergepipe-digests-"))
@@ -73,6 +75,7 @@ def main() -> None:
                             "--catalog",
                             str(catalog),
                             "--json",
+                            *(["--memory", args.memory] if args.memory else []),
                         ],
                         env=env,
                         capture_output=True,
