@@ -101,6 +101,19 @@ PLANS = (
 )
 
 
+# to_compute and whether it only widens: as stored, and rounded to fp16 first (a config dtype)
+ROUNDINGS = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: t.to(torch.float16).float(), False)}
+
+
+def _case(method, kind, rescale, normalize, lam):
+    """A CASES row's family, parameters and context (three blocks of rows)."""
+    base, experts = _family(kind, torch.Generator().manual_seed(sum(map(ord, method + kind))))
+    params = OPERATORS["ties"].params(
+        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
+    )
+    return base, experts, params, TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+
+
 # Slabs of one row and of a few rows in the full suite; the fast tier keeps block-sized slabs
 # (three to a tensor here).
 @pytest.mark.parametrize(
@@ -111,12 +124,7 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
     """Bit for bit, with slabs of one row, of a few rows and of whole blocks; experts read in
     part, in full and not at all; densities that drop, that keep all and that keep one."""
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
-    g = torch.Generator().manual_seed(sum(map(ord, method + kind)))
-    base, experts = _family(kind, g)
-    params = OPERATORS["ties"].params(
-        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
-    )
-    ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+    base, experts, params, ctx = _case(method, kind, rescale, normalize, lam)
     for planned in PLANS:
         slabbed, whole, ran = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned)
         # TIES over an infinity or NaN with a threshold above 0 (expert 2's): the whole-tensor form
@@ -157,8 +165,7 @@ def _check_merge_into(method, base, experts, params, ctx, planned, ran):
     op = OPERATORS[method]
     patches = {k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs}
     takes = ran and method != "dare_linear"
-    roundings = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: t.to(torch.float16).float(), False)}
-    for rounding, (to_compute, widens) in roundings.items():
+    for rounding, (to_compute, widens) in ROUNDINGS.items():
         widened = to_compute(base.to(torch.bfloat16))
         want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), len(experts), to_compute), params, ctx)
         for widened_first in (False, True):
@@ -217,21 +224,15 @@ def test_windowed_form_equals_whole_tensor_form(monkeypatch, method, kind, resca
     payloads aside), for each plan, output dtype and rounding; where it cannot (TIES over
     infinities or NaN), it says so having written nothing."""
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
-    g = torch.Generator().manual_seed(sum(map(ord, method + kind)))
-    base, experts = _family(kind, g)
-    params = OPERATORS["ties"].params(
-        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
-    )
-    ctx = TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
+    base, experts, params, ctx = _case(method, kind, rescale, normalize, lam)
     op = OPERATORS[method]
     takes = kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties"
     stored = base.to(torch.bfloat16)
-    roundings = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: t.to(torch.float16).float(), False)}
     for planned in PLANS:
         patches = {
             k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs
         }
-        for to_compute, widens in roundings.values():
+        for to_compute, widens in ROUNDINGS.values():
             widened = to_compute(stored)
             want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), 3, to_compute), params, ctx)
             for rows in (1, 12, 100):

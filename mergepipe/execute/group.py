@@ -102,6 +102,7 @@ class GroupMerger:
         # SHA-256 of the bytes this group writes, in layout order: what a resumed merge checks
         # the staged bytes against before it trusts them.
         self.written = hashlib.sha256()
+        self._needs: dict[str, TensorNeed] = {}
 
     def _path(self, model_index: int, file: str) -> str:
         return join(self.plan.inputs[model_index].root, file)
@@ -157,7 +158,7 @@ class GroupMerger:
                 yield [r]
                 continue
             if not batch:  # a batch holds what its elements need, within the group's share
-                per_element = tensor_need(self.plan, self.layout, self.group, r.name, self.params).per_element
+                per_element = self._need(r.name).per_element
                 cap = BATCH_ELEMENTS if self.per_group is None else min(BATCH_ELEMENTS, self.per_group // per_element)
             batch.append(r)
             key, held = k, held + size
@@ -332,8 +333,15 @@ class GroupMerger:
         merge it in parts (runs of elements, windows of rows); else None."""
         if self.per_group is None or not (self.op.elementwise or self.op.windowed):
             return None
-        need = tensor_need(self.plan, self.layout, self.group, name, self.params)
+        need = self._need(name)
         return need if need.streams and need.whole > self.per_group else None
+
+    def _need(self, name: str) -> TensorNeed:
+        """tensor_need, once per tensor (batching, prefetch and the merge each ask)."""
+        need = self._needs.get(name)
+        if need is None:
+            need = self._needs[name] = tensor_need(self.plan, self.layout, self.group, name, self.params)
+        return need
 
     def _windows(self, reads: TensorReads, need: TensorNeed) -> StoredWindows:
         t = self.plan.inputs[0].tensors[reads.name]
