@@ -80,21 +80,26 @@ def test_streamed_merges_equal_whole_merges_bit_for_bit(
         ("dare_ties", {}, False),
         ("dare_linear", {}, False),
         ("ties", {"dtype": "float16"}, True),
+        ("breadcrumbs_ties", {}, True),
+        ("breadcrumbs", {}, False),
+        ("della_linear", {}, False),
+        ("nuslerp", {"weights": [0.5, 0.3]}, False),
     ],
 )
 def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     bf16_family, tmp_path, session_catalog, monkeypatch, method, extra, bounded, share
 ):
-    """TIES and DARE over tensors larger than a group's share: windows of rows read in passes
-    (the thresholds, the rescale norms, the merge), keeping none of them between passes or
-    about half. The bytes of the whole merge; the planned bytes read once as base and expert
+    """TIES, DARE, breadcrumbs, DELLA and nuslerp over tensors larger than a group's share:
+    windows of rows read in passes (thresholds, rescale norms, cosines, the merge), keeping none
+    of them between passes or about half. The bytes of the whole merge; the planned bytes read once as base and expert
     bytes, every later read counted as `reread`, within the plan's prediction. bounded: every
     tensor's plan carries the index's bounds on nonzero deltas (which may settle a threshold
     before any pass)."""
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)  # slabs of a few rows: windows of a few slabs
     monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0 if bounded else 1 << 60)
     saved.load.cache_clear()  # plans of the same digest, made with or without the bounds
-    cfg = config_for(tmp_path, bf16_family, method, density=0.5, budget="60%", **extra)
+    density = None if method == "nuslerp" else 0.5
+    cfg = config_for(tmp_path, bf16_family, method, density=density, budget="60%", **extra)
     whole = merge(config=str(cfg), out=str(tmp_path / "whole"), catalog=session_catalog)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
@@ -117,10 +122,13 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     assert got["expert_bytes_read"] == whole["expert_bytes_read"] == got["expert_bytes_planned"]
     assert got["bytes"]["base"] == whole["bytes"]["base"] and whole["bytes"]["reread"] == 0
     reread, predicted = got["bytes"]["reread"], got["memory"]["reread_bytes_max"]
-    # every method here makes two passes or more (dare_linear and dare_ties rescale by default)
+    # every method here makes two passes or more (DARE and DELLA rescale by default)
     plan, layout = saved.load(got["plan_dir"])
     assert memory.tensor_need(plan, layout, largest.group, largest.name).passes >= 2
-    assert 0 < reread <= predicted
+    assert reread <= predicted and (reread > 0) == (predicted > 0)
+    # without windows kept, later passes read again; with half the tensor's share kept, the
+    # stored bytes of nuslerp's two experts fit it
+    assert reread > 0 if share == 0 or method != "nuslerp" else reread == 0
     assert bool(plan.nonzero_bounds) == bounded
 
 
@@ -180,12 +188,18 @@ def test_small_tensors_merged_in_batches_give_the_bytes_of_tensor_by_tensor(
     assert len(batches) > 2 and sum(len(b) for b in batches) > 2 * len(batches)
 
 
+def _whole_tensor_config(tmp_path, family):
+    """A merge that holds whole tensors: row-wise nuslerp, whose vectors run across rows."""
+    params = {"nuslerp_flatten": False, "nuslerp_row_wise": True}
+    return config_for(tmp_path, family, "nuslerp", weights=[0.5, 0.3], parameters=params)
+
+
 def test_a_budget_too_small_is_refused_before_reading_and_plan_says_so(
     bf16_family, tmp_path, session_catalog, monkeypatch
 ):
-    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
+    cfg = _whole_tensor_config(tmp_path, bf16_family)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
-    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*breadcrumbs holds the whole tensor"):
+    with pytest.raises(BadInput, match=r"model\.embed_tokens\.weight.*nuslerp holds the whole tensor"):
         merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog, memory="64KiB")
     assert not (tmp_path / "out").exists()
     r = runner.invoke(app, ["plan", str(cfg), "--memory", "64KiB", "--json", "--catalog", session_catalog])
@@ -198,7 +212,7 @@ def test_the_default_budget_warns_instead_of_refusing(bf16_family, tmp_path, ses
     machine's memory) goes ahead, one group at a time, and says so."""
     from mergepipe.config import request
 
-    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
+    cfg = _whole_tensor_config(tmp_path, bf16_family)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(request, "default_memory", lambda: 64 << 10)
     r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
@@ -208,7 +222,7 @@ def test_the_default_budget_warns_instead_of_refusing(bf16_family, tmp_path, ses
 def test_groups_that_must_be_held_whole_run_one_at_a_time_when_two_do_not_fit(
     bf16_family, tmp_path, session_catalog, monkeypatch
 ):
-    cfg = config_for(tmp_path, bf16_family, "breadcrumbs", density=0.5)
+    cfg = _whole_tensor_config(tmp_path, bf16_family)
     full = merge(config=str(cfg), out=str(tmp_path / "two"), catalog=session_catalog)
     assert full["memory"]["workers"] == 2
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)

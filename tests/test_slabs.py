@@ -90,7 +90,34 @@ CASES = [
     ("ties", "sparse", False, True, -0.5),
     ("dare_ties", "sparse_base_nonfinite", True, False, -0.5),
     ("dare_linear", "sparse_base_nonfinite", True, False, 1.0),
+    ("breadcrumbs_ties", "sparse", False, False, 1.0),
+    ("breadcrumbs_ties", "dense", True, True, 0.7),
+    ("breadcrumbs_ties", "nonfinite", False, False, 1.0),
+    ("breadcrumbs_ties", "sparse_base_nonfinite", False, True, -0.5),
+    ("breadcrumbs", "dense", False, False, 1.0),
+    ("breadcrumbs", "sparse", True, False, 1.0),
+    ("della", "dense", True, True, 1.0),
+    ("della", "sparse", False, True, 0.7),
+    ("della", "sparse_base_nonfinite", True, True, 1.0),
+    ("della_linear", "dense", True, False, 1.0),
+    ("della_linear", "nonfinite", True, False, -0.5),
 ]
+
+# Sums without an election (merge_into declines them; the election may write into the base).
+SUMS = ("dare_linear", "breadcrumbs", "della_linear")
+
+
+def _slab_form_runs(method, kind, windows=False):
+    """Whether the slab form merges a case: a magnitude cut above 0 over an infinity or NaN
+    (TIES's expert 2, breadcrumbs' top cuts) needs the whole-tensor form. Over rows at hand so
+    do breadcrumbs' sums (a decline part way would ask for an expert's rows again); over
+    windows every cut is found before the sum begins."""
+    if method == "breadcrumbs" and not windows:
+        return False
+    if method in ("ties", "breadcrumbs_ties", "breadcrumbs"):
+        return kind not in ("nonfinite", "sparse_base_nonfinite")
+    return True
+
 
 # Each expert's planned rows: all read; read in part, each row by some expert; rows 0-12 (the
 # first block, with the base's -0.0 and, in one kind, its infinity and NaN) read by none.
@@ -108,8 +135,14 @@ ROUNDINGS = {"widen": (lambda t: t.to(torch.float32), True), "fp16": (lambda t: 
 def _case(method, kind, rescale, normalize, lam):
     """A CASES row's family, parameters and context (three blocks of rows)."""
     base, experts = _family(kind, torch.Generator().manual_seed(sum(map(ord, method + kind))))
-    params = OPERATORS["ties"].params(
-        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale
+    op = OPERATORS[method]
+    extra = {}
+    if op.declared("gamma"):  # drops the top 5% of expert 0 (a cut above 0), nothing of expert 2
+        extra["gamma"] = (0.05, 0.2, 0.0)
+    if op.declared("epsilon"):
+        extra["epsilon"] = (0.1, 0.2, 0.01)
+    params = op.params(
+        3, weight=(0.7, -0.4, 1.2), density=(0.5, 1.0, 0.02), lambda_=lam, normalize=normalize, rescale=rescale, **extra
     )
     return base, experts, params, TensorContext("model.layers.0.w", ((0, 10), (10, 31), (31, 53)), 11)
 
@@ -127,8 +160,7 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
     base, experts, params, ctx = _case(method, kind, rescale, normalize, lam)
     for planned in PLANS:
         slabbed, whole, ran = _merge_both_forms(monkeypatch, method, base, experts, params, ctx, planned)
-        # TIES over an infinity or NaN with a threshold above 0 (expert 2's): the whole-tensor form
-        assert ran == (kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties")
+        assert ran == _slab_form_runs(method, kind)
         assert torch.equal(slabbed.view(torch.int32), whole.view(torch.int32)), planned
         assert not torch.equal(slabbed, base)
         # With the stored base, zeros are counted on stored bits: the same result.
@@ -141,7 +173,7 @@ def test_slab_form_equals_whole_tensor_form(monkeypatch, method, kind, rescale, 
             monkeypatch, method, scratch, experts, params, replace(ctx, base_reusable=True), planned
         )
         assert torch.equal(reused.view(torch.int32), whole.view(torch.int32))
-        assert (reused.data_ptr() == scratch.data_ptr()) == (ran and method != "dare_linear")
+        assert (reused.data_ptr() == scratch.data_ptr()) == (ran and method not in SUMS)
     # Nothing read: every delta is base - base, and the result is base + (+0 * lambda) (a -0.0
     # in the base turns +0.0 unless lambda < 0). A base that is not finite makes NaN deltas
     # there (and NaN rescale factors, which spread to every row).
@@ -164,7 +196,7 @@ def _check_merge_into(method, base, experts, params, ctx, planned, ran):
     first, as a config dtype does."""
     op = OPERATORS[method]
     patches = {k: [((r0, r1), as_rows(experts[k])[r0:r1]) for r0, r1 in runs] for k, runs in planned.items() if runs}
-    takes = ran and method != "dare_linear"
+    takes = ran and method not in SUMS
     for rounding, (to_compute, widens) in ROUNDINGS.items():
         widened = to_compute(base.to(torch.bfloat16))
         want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), len(experts), to_compute), params, ctx)
@@ -226,7 +258,7 @@ def test_windowed_form_equals_whole_tensor_form(monkeypatch, method, kind, resca
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", slab_elements)
     base, experts, params, ctx = _case(method, kind, rescale, normalize, lam)
     op = OPERATORS[method]
-    takes = kind not in ("nonfinite", "sparse_base_nonfinite") or method != "ties"
+    takes = _slab_form_runs(method, kind, windows=True)
     stored = base.to(torch.bfloat16)
     for planned in PLANS:
         patches = {
@@ -234,7 +266,9 @@ def test_windowed_form_equals_whole_tensor_form(monkeypatch, method, kind, resca
         }
         for to_compute, widens in ROUNDINGS.values():
             widened = to_compute(stored)
-            want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), 3, to_compute), params, ctx)
+            with monkeypatch.context() as m:  # the whole-tensor form
+                m.setattr(gta, "SLAB_KEEPS", {})
+                want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), 3, to_compute), params, ctx)
             for rows in (1, 12, 100):
                 windows_rows = slabs.windows_of(slabs.slabs_of(ctx.block_rows, 7), rows)
                 for out_dtype in (torch.float32, torch.bfloat16):
@@ -432,3 +466,118 @@ def test_abs_sum_adds_pieces_as_numpy_sums_the_whole():
             else:
                 total.add(torch.from_numpy(np.abs(piece)))
         assert total.result() == np.abs(values).sum(dtype=np.float64)
+
+
+def test_smallest_first_threshold_is_rank_below():
+    """The k smallest magnitudes from the passes (breadcrumbs' cuts) are sparsify.rank_below's:
+    the same k-th value and the ties kept at the lowest indices, for dense values, ties, and
+    mostly zeros."""
+    from mergepipe.operators.sparsify import rank_below
+
+    g = torch.Generator().manual_seed(5)
+    n = 1000
+    cases = {
+        "dense": torch.randn(n, generator=g),
+        "ties": torch.randint(-3, 4, (n,), generator=g).float() * 0.25,
+        "zeros": torch.where(torch.rand(n, generator=g) < 0.7, 0.0, torch.randn(n, generator=g)),
+    }
+    for name, v in cases.items():
+        for k in (1, 2, 50, 300, 699, 700, 701, n - 1):
+            for step in (1, 7, 1000):
+
+                def deltas():
+                    for a in range(0, n, step):
+                        yield v[a : a + step].clone()
+
+                t, end = slabs.magnitude_threshold(deltas, n, k, smallest=True)
+                mag = v.abs()
+                got = mag < t
+                got[:end] |= mag[:end] == t
+                if float(t) == 0.0:  # only zeros kept: which of them does not change a masked delta
+                    assert int(torch.count_nonzero(rank_below(mag, k) & (mag != 0))) == 0, (name, k)
+                    continue
+                assert torch.equal(got, rank_below(mag, k)), (name, k, step)
+
+
+@pytest.mark.parametrize("grain", [5, 64, 1 << 15])
+def test_fixed_reduction_of_pieces_equals_the_whole(monkeypatch, grain):
+    """FixedReduction over random cuts equals fixed_sum and fixed_norm of the whole bit for bit,
+    below the grain and above it, with cuts inside and across chunks."""
+    from mergepipe.operators import reductions
+
+    monkeypatch.setattr(reductions, "GRAIN", grain)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        n = int(rng.integers(1, 5 * grain + 100))
+        values = torch.from_numpy((rng.standard_normal(n) * rng.uniform(1e-3, 1e3)).astype(np.float32))
+        cuts = [0, *np.sort(rng.integers(0, n, size=int(rng.integers(0, 9)))).tolist(), n]
+        for norm, whole in ((False, reductions.fixed_sum), (True, reductions.fixed_norm)):
+            r = reductions.FixedReduction(n, norm)
+            for a, b in zip(cuts, cuts[1:]):
+                r.add(values[a:b])
+            assert r.result().view(torch.int32) == whole(values).view(torch.int32), (n, norm, cuts)
+
+
+def _interpolation_family(g, rows, width):
+    base = (torch.randn(rows, width, generator=g) * 2).to(torch.bfloat16).float()
+    experts = [
+        torch.where(torch.rand(rows, width, generator=g) < 0.4, base + torch.randn(rows, width, generator=g), base)
+        for _ in range(3)
+    ]
+    return base, [x.to(torch.bfloat16) for x in experts]
+
+
+INTERPOLATIONS = [
+    ("slerp", 1, {"t": 0.3}, True),
+    ("nuslerp", 2, {"weight": (0.4, 0.9)}, True),
+    ("nuslerp", 2, {"weight": (0.4, 0.9), "nuslerp_flatten": False}, True),
+    ("nuslerp", 2, {"weight": (0.4, 0.9), "nuslerp_flatten": False, "nuslerp_row_wise": True}, False),
+    ("model_stock", 3, {}, True),
+    ("model_stock", 2, {"filter_wise": True}, True),
+]
+
+
+@pytest.mark.parametrize("grain", [16, 1 << 15])
+@pytest.mark.parametrize("method,k,values,takes", INTERPOLATIONS)
+def test_interpolations_over_windows_equal_the_whole_tensor(monkeypatch, grain, method, k, values, takes):
+    """slerp, nuslerp and model_stock over windows (of one slab row, of a few rows, of the whole
+    tensor) equal merge() of the whole tensor, then .to(out dtype), bit for bit: their norms, dot
+    products and cosines are the whole tensor's, chunk for chunk (a small grain: many chunks cut
+    by the windows; the real one: on a tensor of a few grains). Row-wise nuslerp, whose vectors
+    run across rows, declines having written nothing."""
+    from mergepipe.operators import reductions
+
+    monkeypatch.setattr(reductions, "GRAIN", grain)
+    rows, width = (53, 7) if grain == 16 else (300, 350)
+    base, experts = _interpolation_family(torch.Generator().manual_seed(len(method) + k), rows, width)
+    experts = experts[:k]
+    op = OPERATORS[method]
+    params = op.params(k, **values)
+    blocks = ((0, rows // 5), (rows // 5, rows // 2), (rows // 2, rows))
+    ctx = TensorContext("model.layers.0.w", blocks, 11)
+    stored = base.to(torch.bfloat16)
+    plans = ({i: [(0, rows)] for i in range(k)}, {0: [(rows // 5, rows)], **{i: [(0, rows // 2)] for i in range(1, k)}})
+    for planned in plans:
+        patches = {i: [((r0, r1), as_rows(experts[i])[r0:r1]) for r0, r1 in runs] for i, runs in planned.items()}
+        widened = stored.float()
+        want = op.merge(widened, LazyExperts(widened, lambda i: patches.get(i), k), params, ctx)
+        for window_rows in (1, 12, rows):
+            windows_rows = slabs.windows_of(slabs.slabs_of(ctx.block_rows, width), window_rows)
+            for out_dtype in (torch.float32, torch.bfloat16):
+                windows = _MemoryWindows(stored, experts, planned, windows_rows, lambda t: t.to(torch.float32), True)
+                out = torch.full(base.shape, 7.0, dtype=out_dtype)
+                written = []
+
+                def write(r0, got):
+                    written.append(r0)
+                    out[r0 : r0 + got.shape[0]] = got
+
+                case = (planned, window_rows, out_dtype)
+                assert op.merge_windows(windows, params, ctx, out_dtype, write) == takes, case
+                if not takes:
+                    assert not written
+                    continue
+                assert written == [r0 for r0, _ in windows_rows], case
+                assert _same_bits_but_nan_payloads(out, want.to(out_dtype)), case
+                assert not torch.equal(out.float(), base)
+                assert len(windows_rows) <= windows.loads <= len(windows_rows) * op.window_passes(params), case

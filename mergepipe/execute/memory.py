@@ -84,10 +84,12 @@ def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str, table: 
         per += 4 * 3
     elif op.has_slab_form:  # fp32 only per slab (slabs.py), the fp32 base when it is small
         per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
-    else:  # whole fp32 tensors: the base, an accumulator, one expert, the result
-        per += 4 * 4
-    passes = op.window_passes((table or plan.param_table()).for_tensor(name)) if op.windowed else 1
-    return TensorNeed(name, group, numel, per, op.elementwise or op.windowed, read, passes)
+    else:  # whole fp32 tensors: the base, a few work buffers, each expert's values and delta
+        per += 4 * (3 + 2 * (len(plan.inputs) - 1))
+    params = (table or plan.param_table()).for_tensor(name)
+    windowed = op.windowed and op.windows_apply(params, tuple(t.shape))
+    passes = op.window_passes(params) if windowed else 1
+    return TensorNeed(name, group, numel, per, op.elementwise or windowed, read, passes)
 
 
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:

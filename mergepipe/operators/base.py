@@ -296,6 +296,11 @@ class Operator(ABC):
         with nothing written, where only merge() can do it."""
         return False
 
+    def windows_apply(self, params: MergeParams, shape: tuple[int, ...]) -> bool:
+        """Whether merge_windows can merge a tensor of this shape with these parameters (windowed
+        operators; the memory plan holds the others whole)."""
+        return self.windowed
+
     def window_passes(self, params: MergeParams) -> int:
         """The most passes merge_windows makes over a tensor's windows, the merge's included."""
         return 1

@@ -32,8 +32,13 @@ def bernoulli_keep_mask(probs: torch.Tensor, expert: int, ctx: TensorContext) ->
 def block_keep_mask(ctx: TensorContext, expert: int, block: int, p_rows: torch.Tensor) -> torch.Tensor:
     """One block's keep-mask: its own seeded generator's uniform fp32 draws, kept where
     draw < p (p_rows: the block's rows of keep probabilities)."""
+    return block_draws(ctx, expert, block, tuple(p_rows.shape)) < p_rows
+
+
+def block_draws(ctx: TensorContext, expert: int, block: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """One block's uniform fp32 draws (shape: the block's rows of the delta's 2-D view)."""
     g = torch.Generator().manual_seed(block_seed(ctx.seed, expert, ctx.name, block))
-    return torch.rand(p_rows.shape, generator=g, dtype=torch.float32) < p_rows
+    return torch.rand(shape, generator=g, dtype=torch.float32)
 
 
 def default_keep(expert: int, probs: torch.Tensor, ctx: TensorContext) -> torch.Tensor:

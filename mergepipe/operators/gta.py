@@ -7,9 +7,9 @@ breadcrumbs*, della* (mergekit 0.1.5's GeneralizedTaskArithmeticMerge semantics)
     otherwise:  num = sum_i delta_i,        den = sum_i w_i (|den| < 1e-8 -> 1)
     out = base + lambda * (num / den if normalize else num)
 
-TIES and DARE (and the sums of DARE-sparsified deltas) run slab by slab (slabs.py), with the
-same values. The whole-tensor form below serves the other sparsifiers, deltas with infinities
-or NaN, and masks replayed by tests. Its memory is bounded: the sign election is one pass
+TIES, DARE, breadcrumbs and DELLA run slab by slab (slabs.py), with the same values. The
+whole-tensor form below serves task arithmetic, sums of breadcrumbs' deltas over rows at hand,
+deltas with infinities or NaN, DELLA on tensors that are not 2-D, and masks replayed by tests. Its memory is bounded: the sign election is one pass
 over the experts (a running sum), the accumulation a second pass over the sparsified deltas,
 kept from the first when all K fit in HELD_DELTA_BYTES and computed again otherwise (the
 sparsifiers are deterministic). So a huge tensor never has K delta-sized buffers alive at once.
@@ -36,7 +36,7 @@ from mergepipe.operators.base import (
     flag,
 )
 from mergepipe.operators.draws import default_keep
-from mergepipe.operators.slabs import MagnitudeKeep, RandomKeep, SlabMerge, tiles
+from mergepipe.operators.slabs import MagnitudeKeep, OutlierKeep, RandomKeep, RankKeep, SlabMerge, tiles
 from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
 # (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
@@ -93,8 +93,8 @@ class GeneralizedTaskArithmetic(Operator):
         self.additive = sparsify is no_sparsify and not consensus
         self.elementwise = self.additive  # task_arithmetic: base + lambda * sum_i w_i delta_i (/ sum w)
         self.base_where_no_delta = self.additive
-        # TIES and DARE merge a window of rows at a time; task arithmetic streams as elementwise.
-        self.windowed = sparsify in SLAB_KEEPS and not self.additive and (consensus or sparsify is dare)
+        # The sparsifiers merge a window of rows at a time; task arithmetic streams as elementwise.
+        self.windowed = sparsify in SLAB_KEEPS
 
     def check(self, params: MergeParams) -> tuple[str, int, str] | None:
         if self.declared("epsilon") is None:
@@ -182,20 +182,27 @@ class GeneralizedTaskArithmetic(Operator):
         slabbed.elect(out)
         return True
 
+    def windows_apply(self, params: MergeParams, shape: tuple[int, ...]) -> bool:
+        return self.windowed and SLAB_KEEPS[self.sparsify].applies(shape)
+
     def window_passes(self, params: MergeParams) -> int:
-        """TIES's threshold takes up to three passes (zeros and a histogram of the high bits,
-        the low bits in one bin, where the ties kept end), rescaling one, the merge one."""
-        searches = 3 if SLAB_KEEPS.get(self.sparsify) is MagnitudeKeep else 0
+        """A magnitude threshold (TIES's, breadcrumbs' two together) takes up to three passes
+        (zeros and a histogram of the high bits, the low bits in one bin, where the ties kept
+        end), rescaling one, the merge one."""
+        keep = SLAB_KEEPS.get(self.sparsify)
+        searches = 3 if keep is not None and issubclass(keep, MagnitudeKeep) else 0
         return searches + (1 if params["rescale"] else 0) + 1
 
     def merge_windows(self, windows, params: MergeParams, ctx: TensorContext, out_dtype: torch.dtype, write) -> bool:
         """The slab form over windows read from storage (slabs.Windows): each expert's threshold
         and rescale factor in passes of their own, all experts together in each pass, then the
         merge a window at a time. False (nothing written) where only merge() can do it: a
-        sparsifier without a slab form, replayed masks, blocks that do not tile the rows, or
-        deltas with infinities or NaN under a TIES threshold above 0."""
+        sparsifier without a slab form for this shape, replayed masks, blocks that do not tile
+        the rows, or deltas with infinities or NaN under a magnitude threshold above 0."""
         keep = SLAB_KEEPS.get(self.sparsify)
-        if not self.windowed or ctx.keep is not default_keep or not tiles(ctx.block_rows, (windows.shape or (1,))[0]):
+        if not self.windows_apply(params, windows.shape) or ctx.keep is not default_keep:
+            return False
+        if not tiles(ctx.block_rows, (windows.shape or (1,))[0]):
             return False
         slabbed = SlabMerge(None, None, params, ctx, keep, windows)
         if not slabbed.gather(range(windows.k)):
@@ -239,25 +246,27 @@ class GeneralizedTaskArithmetic(Operator):
         keep = SLAB_KEEPS.get(self.sparsify)
         if keep is None:
             return None
-        if not self.consensus and (keep is not RandomKeep or base is None):
-            # A sum without an election: only DARE's never needs the whole-tensor form part
-            # way, and the sum is made over a widened base.
+        if not self.consensus and (not issubclass(keep, RandomKeep) or base is None):
+            # A sum without an election: only random drops never need the whole-tensor form
+            # part way (each expert's rows are asked for once), and the sum is made over a
+            # widened base.
             return None
         shape_of = base if base is not None else experts.base_stored
         if shape_of.numel() == 0 or not tiles(ctx.block_rows, as_rows(shape_of).shape[0]):
             return None
+        if not keep.applies(tuple(shape_of.shape)):
+            return None
         if base is not None and base.dtype != torch.float32:  # AbsSum reproduces numpy's order for a cast (fp32) input
             return None
-        if keep is RandomKeep and ctx.keep is not default_keep:
+        if issubclass(keep, RandomKeep) and ctx.keep is not default_keep:
             return None
         if not experts.slab_ready:
             return None
         return SlabMerge(base, experts, params, ctx, keep)
 
 
-# The sparsifiers the slab form knows (none other needs a slab form yet: breadcrumbs and DELLA
-# rank within rows or over the whole tensor twice).
-SLAB_KEEPS = {magnitude: MagnitudeKeep, dare: RandomKeep}
+# Each sparsifier's slab form (slabs.py).
+SLAB_KEEPS = {magnitude: MagnitudeKeep, dare: RandomKeep, breadcrumbs: OutlierKeep, della: RankKeep}
 
 # Sparsified deltas of one tensor kept between the sign election and the sum (per task): a
 # layer's tensors fit, an embedding with several experts does not.

@@ -48,3 +48,53 @@ def norm_last(x: torch.Tensor) -> torch.Tensor:
 
 def sum_last(x: torch.Tensor) -> torch.Tensor:
     return _last_dim(x, fixed_sum, lambda v: torch.sum(v, dim=-1, keepdim=True))
+
+
+class FixedReduction:
+    """fixed_sum, or fixed_norm, of a flat tensor of n elements fed in pieces in flat order
+    (windows of a tensor too large to hold): equal to it on the whole tensor bit for bit. The
+    pieces are regrouped on the grain's chunk boundaries; a tensor within one grain is kept and
+    reduced whole at the end."""
+
+    def __init__(self, n: int, norm: bool) -> None:
+        self.n, self.norm = n, norm
+        self._parts: list[float] = []
+        self._carry: list[torch.Tensor] = []
+        self._held = 0
+
+    def _chunk(self, c: torch.Tensor) -> None:
+        self._parts.append(float(torch.linalg.vector_norm(c) if self.norm else c.sum()))
+
+    def add(self, piece: torch.Tensor) -> None:
+        flat = piece.reshape(-1)
+        if self.n <= GRAIN:
+            self._carry.append(flat.clone())
+            return
+        at = 0
+        if self._held:  # complete the chunk begun by earlier pieces
+            take = min(flat.numel(), GRAIN - self._held)
+            self._carry.append(flat[:take])
+            self._held += take
+            at = take
+            if self._held < GRAIN:
+                self._carry[-1] = self._carry[-1].clone()
+                return
+            self._chunk(torch.cat(self._carry))
+            self._carry, self._held = [], 0
+        whole = at + (flat.numel() - at) // GRAIN * GRAIN
+        for i in range(at, whole, GRAIN):
+            self._chunk(flat[i : i + GRAIN])
+        if whole < flat.numel():
+            self._carry, self._held = [flat[whole:].clone()], flat.numel() - whole
+
+    def result(self) -> torch.Tensor:
+        """The reduction as a 0-d fp32 tensor (the whole tensor's dtype)."""
+        if self.n <= GRAIN:
+            flat = torch.cat(self._carry) if self._carry else torch.empty(0)
+            return fixed_norm(flat) if self.norm else fixed_sum(flat)
+        if self._held:
+            self._chunk(torch.cat(self._carry))
+            self._carry, self._held = [], 0
+        parts = np.array(self._parts, dtype=np.float64)
+        total = np.sqrt(np.square(parts).sum()) if self.norm else parts.sum()
+        return torch.tensor(total, dtype=torch.float32)

@@ -26,7 +26,8 @@ import numpy as np
 
 from mergepipe import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
-from mergepipe.operators.sparsify import block_keep_mask, rescale_factor
+from mergepipe.operators.draws import block_draws
+from mergepipe.operators.sparsify import block_keep_mask, della_keep_probs, rescale_factor
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
 SLAB_ELEMENTS = 1 << 18
@@ -181,6 +182,19 @@ class ExpertDeltas:
                 count += int(np.count_nonzero(differ)) - int(np.count_nonzero(signed_zeros))
         return count
 
+    def values(self, i: int, a: int, b: int) -> torch.Tensor:
+        """x_i over rows [a, b) in fp32, the base's rows where it was not read (not to be
+        changed in place)."""
+        for (r0, r1), values in self._runs[i]:
+            if r0 <= a and b <= r1:
+                return self._to_compute(values[a - r0 : b - r0])
+        x = self.base(a, b).clone()
+        for (r0, r1), values in self._runs[i]:
+            lo, hi = max(a, r0), min(b, r1)
+            if lo < hi:
+                x[lo - a : hi - a] = self._to_compute(values[lo - r0 : hi - r0])
+        return x
+
     def tau(self, i: int, a: int, b: int) -> torch.Tensor:
         """x_i - base over rows [a, b): x_i is the base with the expert's rows put in (as
         the executor builds it), so unplanned rows give base - base."""
@@ -266,15 +280,20 @@ _HIGH_BINS, _LOW_BINS, _NONFINITE = 1 << 15, 1 << 16, 0x7F80
 
 
 def magnitude_threshold(
-    deltas: Callable[[], Iterator[torch.Tensor | int]], n: int, k: int, nonzero: int | None = None
+    deltas: Callable[[], Iterator[torch.Tensor | int]],
+    n: int,
+    k: int,
+    nonzero: int | None = None,
+    smallest: bool = False,
 ) -> tuple[torch.Tensor, int] | None:
     """The k-th largest of n magnitudes |delta|, and where the ties kept end: TIES keeps
     |delta| > t, and |delta| == t at flat indices below `end` (ties go to the lowest indices).
 
     deltas() yields the deltas slab by slab in flat order, again for each pass; an int stands
     for that many zeros (a slab the expert was not read in costs nothing then). The passes are
-    MagnitudeSearch's; None when the magnitudes hold an infinity or NaN and t is not 0."""
-    search = MagnitudeSearch(n, k, nonzero)
+    MagnitudeSearch's; None when the magnitudes hold an infinity or NaN and t is not 0. With
+    `smallest`: the k-th smallest, the k smallest kept (|delta| < t, ties below `end`)."""
+    search = MagnitudeSearch(n, k, nonzero, smallest)
     while not search.done:
         search.start_pass()
         for d in deltas():
@@ -290,7 +309,9 @@ class MagnitudeSearch:
     feed the searches of several experts at once (slabs read from storage once per pass, not
     once per expert and pass).
 
-    The value found is exactly torch.kthvalue's (n - k + 1)-th smallest magnitude. The first
+    The value found is exactly torch.kthvalue's (n - k + 1)-th smallest magnitude, or with
+    `smallest` its k-th smallest (the k smallest kept, ties at the lowest indices: |delta| < t,
+    and |delta| == t below `end`; breadcrumbs' cuts). The first
     pass counts the zeros (unless `nonzero` gives the count of the others) beside a histogram
     of the bit patterns' top 16 bits: when the zeros reach that rank, t is 0 (a bf16
     fine-tune's delta is mostly exact zeros). Otherwise the histogram finds the value's bin, a
@@ -298,8 +319,9 @@ class MagnitudeSearch:
     ties' end when some ties are dropped. Each pass feeds every slab in flat order (feed may
     change a delta in place); `satisfied` says the rest of a pass would change nothing."""
 
-    def __init__(self, n: int, k: int, nonzero: int | None = None) -> None:
-        self.n, self.k, self.q = n, k, n - k + 1
+    def __init__(self, n: int, k: int, nonzero: int | None = None, smallest: bool = False) -> None:
+        self.n, self.k, self.smallest = n, k, smallest
+        self.q = k if smallest else n - k + 1
         self.result: tuple[torch.Tensor, int] | None = None
         self.done = self.satisfied = False
         self._counting = nonzero is None
@@ -370,8 +392,11 @@ class MagnitudeSearch:
             cum_low = low.cumsum(0)
             lo = int(torch.searchsorted(cum_low, q - self._below))
             self._t = torch.tensor((self._hi << 16) | lo, dtype=torch.int32).view(torch.float32)
-            greater = (n - int(self._cum[self._hi])) + (int(cum_low[-1]) - int(cum_low[lo]))
-            self._need = self.k - greater
+            if self.smallest:  # the elements below t
+                beyond = self._below + (int(cum_low[lo - 1]) if lo else 0)
+            else:  # the elements above t
+                beyond = (n - int(self._cum[self._hi])) + (int(cum_low[-1]) - int(cum_low[lo]))
+            self._need = self.k - beyond
             if self._need >= int(low[lo]):
                 return self._finish((self._t, n))
             self._stage = "ties"
@@ -379,65 +404,97 @@ class MagnitudeSearch:
             raise AssertionError("the histograms counted more ties than the slabs hold")
 
 
+# A cut that keeps every element, or none (none: a smallest-first cut at rank 0, or at t = 0,
+# which keeps zeros only, and a zero masked or not is the same zero).
+ALL, NONE = "all", "none"
+
+
 class MagnitudeKeep:
-    """TIES's keep-mask per slab, from each expert's threshold over the whole tensor."""
+    """TIES's keep-mask per slab, from each expert's threshold over the whole tensor. A
+    subclass may cut at other ranks (_ranks) and combine its cuts otherwise (_mask)."""
 
     def __init__(self, deltas: ExpertDeltas, slabs: list[Slab], params: MergeParams, ctx: TensorContext) -> None:
         self.deltas, self.slabs, self.params, self.ctx = deltas, slabs, params, ctx
-        self._cut: dict[int, tuple[torch.Tensor, int] | None] = {}
-        self._search: dict[int, MagnitudeSearch] = {}
+        self._cuts: dict[int, list | None] = {}
+        self._search: dict[int, list[tuple[int, MagnitudeSearch]]] = {}
         self._nonfinite: set[int] = set()
+
+    @staticmethod
+    def applies(shape: tuple[int, ...]) -> bool:
+        """Whether the mask can be made slab by slab for a tensor of this shape."""
+        return True
 
     def start_pass(self, i: int, record: bool) -> None:
         """Masks come from the thresholds each time: nothing to record."""
 
+    def _ranks(self, i: int) -> list[tuple[int, bool]] | None:
+        """The cuts expert i's mask needs, as (k, smallest): the k largest (or smallest)
+        magnitudes, ties at the lowest indices. None: no mask and no rescaling."""
+        density = self.params["density"][i]
+        return None if density >= 1.0 else [(max(1, int(density * self.deltas.numel)), False)]
+
     def begin(self, i: int, held: bool) -> bool:
-        """Start expert i's threshold search; False when it needs no pass over the slabs. held:
-        all of the expert's rows are at hand, so its zeros are counted on stored bits first
-        (else in the search's first pass)."""
-        density, n = self.params["density"][i], self.deltas.numel
-        k = max(1, int(density * n))
-        if density >= 1.0 or k >= n:
-            self._cut[i] = None  # everything kept: the whole-tensor form multiplies by ones
+        """Start expert i's threshold searches; False when they need no pass over the slabs.
+        held: all of the expert's rows are at hand, so its zeros are counted on stored bits
+        first (else in the searches' first pass)."""
+        ranks, n = self._ranks(i), self.deltas.numel
+        self._cuts[i] = None if ranks is None else [ALL if k >= n else NONE if k <= 0 else None for k, _ in ranks]
+        searched = [(j, k, smallest) for j, (k, smallest) in enumerate(ranks or ()) if 0 < k < n]
+        if not searched:
             return False
         if held:
-            nonzero = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs)
+            counted = sum(self.deltas.nonzero(i, a, b) for _, a, b in self.slabs)
         else:
-            # A bound from the index that leaves zeros enough for the rank settles t = 0 now;
+            # A bound from the index that leaves zeros enough for a rank settles t = 0 now;
             # else the search counts them in its first pass.
             bounds = self.ctx.nonzero_at_most
             bound = bounds[i] if i < len(bounds) else None
-            nonzero = bound if bound is not None and n - bound >= n - k + 1 else None
-        self._search[i] = search = MagnitudeSearch(n, k, nonzero)
-        return not self._end(i, search)
+        searches = []
+        for j, k, smallest in searched:
+            if held:
+                nonzero = counted
+            else:
+                q = k if smallest else n - k + 1
+                nonzero = bound if bound is not None and n - bound >= q else None
+            searches.append((j, MagnitudeSearch(n, k, nonzero, smallest)))
+        self._search[i] = searches
+        return not self._end(i)
 
     def searching(self, i: int) -> bool:
-        """Whether expert i's search still needs the rest of this pass."""
-        return not self._search[i].satisfied
+        """Whether expert i's searches still need the rest of this pass."""
+        return not all(s.satisfied for _, s in self._search[i])
 
     def start_search(self, i: int) -> None:
-        self._search[i].start_pass()
+        for _, s in self._search[i]:
+            if not s.done:
+                s.start_pass()
 
     def feed(self, i: int, slab: Slab) -> None:
         _, a, b = slab
-        search = self._search[i]
-        search.feed((b - a) * self.deltas.width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b))
+        d = (b - a) * self.deltas.width if self.deltas.zero(i, a, b) else self.deltas.tau(i, a, b)
+        for _, s in self._search[i]:
+            s.feed(d)  # feed() takes |d| in place, which leaves the next search the same |d|
 
     def end_search(self, i: int) -> bool:
-        """Close a pass of expert i's search; True once its threshold is known."""
-        search = self._search[i]
-        search.end_pass()
-        return self._end(i, search)
+        """Close a pass of expert i's searches; True once its thresholds are known."""
+        for _, s in self._search[i]:
+            s.end_pass()
+        return self._end(i)
 
-    def _end(self, i: int, search: MagnitudeSearch) -> bool:
-        if not search.done:
+    def _end(self, i: int) -> bool:
+        searches = self._search[i]
+        if not all(s.done for _, s in searches):
             return False
-        cut = search.result
-        # A zero threshold drops only zeros, and a zero times the mask is the same zero: the
-        # mask changes nothing, so none is applied.
-        self._cut[i] = None if cut is not None and float(cut[0]) == 0.0 else cut
-        if cut is None:
-            self._nonfinite.add(i)
+        cuts = self._cuts[i]
+        for j, s in searches:
+            if s.result is None:
+                self._nonfinite.add(i)
+            elif float(s.result[0]) == 0.0:
+                # A zero threshold cuts among zeros only, and a zero times the mask is the same
+                # zero: largest-first it keeps every other element, smallest-first none.
+                cuts[j] = NONE if s.smallest else ALL
+            else:
+                cuts[j] = s.result
         del self._search[i]
         return True
 
@@ -452,19 +509,48 @@ class MagnitudeKeep:
         return self.params["density"][i] >= 1.0
 
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
-        cut = self._cut[i]
-        if cut is None:
-            return None
+        cuts = self._cuts[i]
+        return None if cuts is None else self._mask(cuts, slab, tau.abs())
+
+    def _mask(self, cuts: list, slab: Slab, mag: torch.Tensor) -> torch.Tensor | None:
+        """The mask of expert i's cuts over a slab's magnitudes; None: everything kept."""
+        (cut,) = cuts
+        return None if cut is ALL else self._beyond(cut, slab, mag, smallest=False)
+
+    def _beyond(self, cut: tuple[torch.Tensor, int], slab: Slab, mag: torch.Tensor, smallest: bool) -> torch.Tensor:
+        """Where a cut keeps: |delta| above t (below it, smallest-first), and |delta| == t at
+        flat indices below the ties' end."""
         t, end = cut
-        mag = tau.abs()
         start = slab[1] * self.deltas.width
-        if start + mag.numel() <= end:
-            return mag >= t  # no NaN here, so this is mag > t or mag == t
-        keep = mag > t
+        if start + mag.numel() <= end:  # no NaN here, so this is mag > t or mag == t
+            return mag <= t if smallest else mag >= t
+        keep = mag < t if smallest else mag > t
         if start < end:
             flat = keep.view(-1)
             flat[: end - start] |= mag.view(-1)[: end - start] == t
         return keep
+
+
+class OutlierKeep(MagnitudeKeep):
+    """Breadcrumbs' keep-mask per slab (sparsify.outliers_keep_mask): the n_bottom + target
+    smallest magnitudes less the n_bottom smallest, two cuts over the whole tensor."""
+
+    def _ranks(self, i: int) -> list[tuple[int, bool]] | None:
+        density, gamma, n = self.params["density"][i], self.params["gamma"][i], self.deltas.numel
+        if density >= 1.0:
+            return None
+        target = int(density * n)
+        n_bottom = max(0, n - target - int(gamma * n))
+        return [(n_bottom + target, True), (n_bottom, True)]
+
+    def _mask(self, cuts: list, slab: Slab, mag: torch.Tensor) -> torch.Tensor | None:
+        upper, lower = cuts
+        if upper is NONE or lower is ALL:
+            return torch.zeros(mag.shape, dtype=torch.bool)
+        if lower is NONE:
+            return None if upper is ALL else self._beyond(upper, slab, mag, smallest=True)
+        dropped = self._beyond(lower, slab, mag, smallest=True)
+        return ~dropped if upper is ALL else self._beyond(upper, slab, mag, smallest=True) & ~dropped
 
 
 class RandomKeep:
@@ -477,6 +563,8 @@ class RandomKeep:
         self._packed: dict[tuple[int, int], np.ndarray] = {}
         self._current: dict[int, tuple[int, torch.Tensor]] = {}  # expert -> (block, its mask)
         self._recording: set[int] = set()
+
+    applies = MagnitudeKeep.applies
 
     def begin(self, i: int, held: bool) -> bool:
         return False  # masks need no tensor-wide quantity
@@ -521,11 +609,39 @@ class RandomKeep:
         return current[1][a - r0 : b - r0]
 
 
+class RankKeep(RandomKeep):
+    """DELLA's keep-mask per slab: keep probabilities from the magnitude ranks within each row
+    (sparsify.della_keep_probs; a slab holds whole rows of a 2-D tensor), against each block's
+    seeded uniform draws, as bernoulli_keep_mask compares them. Nothing is recorded between
+    passes: the draws and ranks are made again."""
+
+    @staticmethod
+    def applies(shape: tuple[int, ...]) -> bool:
+        """Ranks are within rows only for a 2-D tensor (a 1-D one is one row, ranked whole)."""
+        return len(shape) == 2
+
+    def start_pass(self, i: int, record: bool) -> None:
+        self._current.pop(i, None)
+
+    def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
+        block, a, b = slab
+        if self.keeps_all(i) or not self.deltas.reads(i, a, b):
+            return None  # as RandomKeep's: rows not read stay +0 (or NaN) under any mask
+        current = self._current.get(i)
+        if current is None or current[0] != block:
+            r0, r1 = self.ctx.block_rows[block]
+            current = (block, block_draws(self.ctx, i, block, (r1 - r0, self.deltas.width)))
+            self._current[i] = current
+        r0 = self.ctx.block_rows[block][0]
+        probs = della_keep_probs(tau, self.params["density"][i], self.params["epsilon"][i])
+        return current[1][a - r0 : b - r0] < probs
+
+
 # A sparsifier's slab form: whole_tensor_only(i) gathers expert i's whole-tensor statistics
 # (True: it cannot run in slabs), keeps_all(i) says no element of expert i is dropped,
 # keep(i, slab, tau) gives the slab's keep-mask (None: none needed, the values stay as they
 # are), start_pass(i, record) begins a pass over expert i's slabs.
-KeepFactory = Callable[[ExpertDeltas, list[Slab], MergeParams, TensorContext], "MagnitudeKeep | RandomKeep"]
+KeepFactory = type[MagnitudeKeep] | type[RandomKeep]
 
 
 class Windows(Protocol):
@@ -554,6 +670,15 @@ def windows_of(slabs: list[Slab], rows: int) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+def loaded_windows(windows: Windows, experts: Sequence[int]) -> Iterator[tuple[int, int, ExpertDeltas]]:
+    """One pass over the windows in order, each loaded for these experts: (first row, end row,
+    the deltas, whose base(), values() and tau() take rows inside the window)."""
+    deltas = ExpertDeltas.windowed(windows)
+    for w, (r0, r1) in enumerate(windows.rows):
+        deltas.load(r0, *windows.load(w, experts))
+        yield r0, r1, deltas
 
 
 class SlabMerge:
