@@ -87,7 +87,7 @@ def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str, table: 
     else:  # whole fp32 tensors: the base, a few work buffers, each expert's values and delta
         per += 4 * (3 + 2 * (len(plan.inputs) - 1))
     params = (table or plan.param_table()).for_tensor(name)
-    windowed = op.windowed and op.windows_apply(params, tuple(t.shape))
+    windowed = op.windows_apply(params, tuple(t.shape))
     passes = op.window_passes(params) if windowed else 1
     return TensorNeed(name, group, numel, per, op.elementwise or windowed, read, passes)
 

@@ -9,10 +9,11 @@ breadcrumbs*, della* (mergekit 0.1.5's GeneralizedTaskArithmeticMerge semantics)
 
 TIES, DARE, breadcrumbs and DELLA run slab by slab (slabs.py), with the same values. The
 whole-tensor form below serves task arithmetic, sums of breadcrumbs' deltas over rows at hand,
-deltas with infinities or NaN, DELLA on tensors that are not 2-D, and masks replayed by tests. Its memory is bounded: the sign election is one pass
-over the experts (a running sum), the accumulation a second pass over the sparsified deltas,
-kept from the first when all K fit in HELD_DELTA_BYTES and computed again otherwise (the
-sparsifiers are deterministic). So a huge tensor never has K delta-sized buffers alive at once.
+deltas with infinities or NaN, DELLA on tensors that are not 2-D, and masks replayed by tests.
+Its memory is bounded: the sign election is one pass over the experts (a running sum), the
+accumulation a second pass over the sparsified deltas, kept from the first when all K fit in
+HELD_DELTA_BYTES and computed again otherwise (the sparsifiers are deterministic). So a huge
+tensor never has K delta-sized buffers alive at once.
 """
 
 from __future__ import annotations

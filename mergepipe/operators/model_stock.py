@@ -64,7 +64,9 @@ class ModelStock(Operator):
         experts = range(k)
         if per_row:
             for r0, r1, d in loaded_windows(windows, experts):
-                offsets = [d.tau(i, r0, r1) for i in experts]
+                w0 = d.base(r0, r1)
+                ws = [d.values(i, r0, r1) for i in experts]
+                offsets = [w - w0 for w in ws]
                 # torch's per-row reductions, as norm_last and sum_last make them for many rows
                 pairs = [
                     (
@@ -75,8 +77,7 @@ class ModelStock(Operator):
                     for i, a in enumerate(offsets)
                     for b in offsets[i + 1 :]
                 ]
-                t = stock_t(pairs, k)
-                write(r0, _stock(t, [d.values(i, r0, r1) for i in experts], d.base(r0, r1)).to(out_dtype))
+                write(r0, _stock(stock_t(pairs, k), ws, w0).to(out_dtype))
             return True
         pairs = [(i, j) for i in experts for j in experts if i < j]
         dots = {p: FixedReduction(n, norm=False) for p in pairs}

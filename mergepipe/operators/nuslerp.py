@@ -102,7 +102,7 @@ class NuSlerp(Operator):
         vectors run across rows."""
         whole = self._whole_vector(params, windows.shape)
         n, t = math.prod(windows.shape), nuslerp_t(params["weight"])
-        if not self.windows_apply(params, windows.shape) or n == 0:
+        if whole is None or n == 0:
             return False
         if not whole:
             for r0, r1, d in loaded_windows(windows, [0, 1]):

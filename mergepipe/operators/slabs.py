@@ -510,12 +510,12 @@ class MagnitudeKeep:
 
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         cuts = self._cuts[i]
-        return None if cuts is None else self._mask(cuts, slab, tau.abs())
+        return None if cuts is None else self._mask(cuts, slab, tau)
 
-    def _mask(self, cuts: list, slab: Slab, mag: torch.Tensor) -> torch.Tensor | None:
-        """The mask of expert i's cuts over a slab's magnitudes; None: everything kept."""
+    def _mask(self, cuts: list, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
+        """The mask of expert i's cuts over a slab; None: everything kept."""
         (cut,) = cuts
-        return None if cut is ALL else self._beyond(cut, slab, mag, smallest=False)
+        return None if cut is ALL else self._beyond(cut, slab, tau.abs(), smallest=False)
 
     def _beyond(self, cut: tuple[torch.Tensor, int], slab: Slab, mag: torch.Tensor, smallest: bool) -> torch.Tensor:
         """Where a cut keeps: |delta| above t (below it, smallest-first), and |delta| == t at
@@ -543,12 +543,15 @@ class OutlierKeep(MagnitudeKeep):
         n_bottom = max(0, n - target - int(gamma * n))
         return [(n_bottom + target, True), (n_bottom, True)]
 
-    def _mask(self, cuts: list, slab: Slab, mag: torch.Tensor) -> torch.Tensor | None:
+    def _mask(self, cuts: list, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         upper, lower = cuts
         if upper is NONE or lower is ALL:
-            return torch.zeros(mag.shape, dtype=torch.bool)
+            return torch.zeros(tau.shape, dtype=torch.bool)
+        if upper is ALL and lower is NONE:
+            return None
+        mag = tau.abs()
         if lower is NONE:
-            return None if upper is ALL else self._beyond(upper, slab, mag, smallest=True)
+            return self._beyond(upper, slab, mag, smallest=True)
         dropped = self._beyond(lower, slab, mag, smallest=True)
         return ~dropped if upper is ALL else self._beyond(upper, slab, mag, smallest=True) & ~dropped
 
@@ -619,9 +622,6 @@ class RankKeep(RandomKeep):
     def applies(shape: tuple[int, ...]) -> bool:
         """Ranks are within rows only for a 2-D tensor (a 1-D one is one row, ranked whole)."""
         return len(shape) == 2
-
-    def start_pass(self, i: int, record: bool) -> None:
-        self._current.pop(i, None)
 
     def keep(self, i: int, slab: Slab, tau: torch.Tensor) -> torch.Tensor | None:
         block, a, b = slab
