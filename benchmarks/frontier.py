@@ -5,7 +5,9 @@ For each (operator, budget) it records wall time, peak anonymous memory (sampled
 the process allocated) beside peak total RSS (which also counts clean, reclaimable pages of
 mapped files), expert bytes read, the predicted peak, and the I/O limit measured in the same
 run: cold sequential reads of the same bytes (the whole base and each expert's planned bytes)
-plus a write of the output's size with fsync. The index pass is measured on its own first.
+plus a write of the output's size with fsync. The index pass is measured on its own first;
+with --first-merge there is none, and each merge starts from an empty catalog: a first merge
+at a 100% budget indexes the family on the way (one read of every expert byte).
 
     .venv/bin/python benchmarks/frontier.py --data /work/bench-data/frontier --results benchmarks/results/frontier
 """
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--memory", default="8GiB", help="the merges' --memory, or 'default' to give none")
     ap.add_argument("--cases", default="task_arithmetic:100%,task_arithmetic:10%,ties:100%,ties:10%")
     ap.add_argument("--scratch", type=Path, default=None, help="outputs and catalog (default: beside --data)")
+    ap.add_argument("--first-merge", action="store_true", help="no index pass: each merge on an empty catalog")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="frontier-", dir=args.scratch or args.data.parent))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
@@ -57,20 +60,25 @@ def main() -> None:
         results["runs"] = json.loads((args.results / "results.json").read_text())["runs"]
     results["input_bytes"] = sum(f.stat().st_size for f in files)
     try:
-        cfg = write_config(scratch / "index.yaml", args.data, args.experts, "task_arithmetic")
-        measure.evict(files)
-        m = measure.run_sampled([MERGEPIPE, "index", cfg, "--catalog", catalog, "--json"], env)
-        results["index"] = {"seconds": m.seconds, "peak_anon": m.peak_anon, "peak_rss": m.peak_rss}
-        print(f"index: {m.seconds:.1f} s, anon {m.peak_anon / 2**30:.2f} GiB, rss {m.peak_rss / 2**30:.2f} GiB")
+        if not args.first_merge:
+            cfg = write_config(scratch / "index.yaml", args.data, args.experts, "task_arithmetic")
+            measure.evict(files)
+            m = measure.run_sampled([MERGEPIPE, "index", cfg, "--catalog", catalog, "--json"], env)
+            results["index"] = {"seconds": m.seconds, "peak_anon": m.peak_anon, "peak_rss": m.peak_rss}
+            print(f"index: {m.seconds:.1f} s, anon {m.peak_anon / 2**30:.2f} GiB, rss {m.peak_rss / 2**30:.2f} GiB")
         for case in args.cases.split(","):
             method, budget = case.split(":")
             cfg = write_config(scratch / f"{method}.yaml", args.data, args.experts, method)
             memory = [] if args.memory == "default" else ["--memory", args.memory]
-            plan = json.loads(
-                measure.run_sampled(
-                    [MERGEPIPE, "plan", cfg, "--budget", budget, *memory, "--catalog", catalog, "--json"], env
-                ).stdout
-            )
+            if args.first_merge:  # a catalog of its own, empty; the merge reads every expert file whole
+                catalog = str(scratch / f"first-{method}-{budget.rstrip('%')}.duckdb")
+                plan = {"planned_bytes_per_expert": [f.stat().st_size for f in files[1:]]}
+            else:
+                plan = json.loads(
+                    measure.run_sampled(
+                        [MERGEPIPE, "plan", cfg, "--budget", budget, *memory, "--catalog", catalog, "--json"], env
+                    ).stdout
+                )
             out = scratch / f"out-{method}-{budget.rstrip('%')}"
             measure.evict(files)
             t0 = time.time()
@@ -100,6 +108,7 @@ def main() -> None:
                 "workers": r["memory"]["workers"],
                 "memory_warning": r["memory"]["warning"],
                 "digest": r["digest"],
+                "first_merge": "indexed_in_merge" in r,
                 "io_limit": limit,
                 "started": t0,
             }
@@ -138,7 +147,7 @@ def render(results: dict) -> str:
     for r in results["runs"]:
         lim = r["io_limit"]["seconds"]
         lines.append(
-            f"| {r['method']} | {r['budget']} | {r.get('memory', '8GiB')} | {r['seconds']:.1f} | {lim:.1f} | "
+            f"| {r['method']}{' (first merge)' if r.get('first_merge') else ''} | {r['budget']} | {r.get('memory', '8GiB')} | {r['seconds']:.1f} | {lim:.1f} | "
             f"{r['seconds'] / lim:.2f} | {r['peak_anon'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | "
             f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} | "
             f"{r.get('reread_bytes', 0) / 1e9:.2f} |"

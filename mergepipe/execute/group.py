@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mergepipe import torch
+from mergepipe.errors import BadInput
 from mergepipe.execute.experts import LazyExperts
 from mergepipe.execute.memory import (
     WHOLE_BASE_BYTES,
@@ -27,6 +28,8 @@ from mergepipe.execute.memory import (
 )
 from mergepipe.execute.windows import StoredWindows
 from mergepipe.index.blocks import block_rows, byte_range, coalesce
+from mergepipe.index.stats import buffer_differs_message
+from mergepipe.index.tap import StatsTap
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows, as_rows
 from mergepipe.operators.slabs import slabs_of, windows_of
@@ -82,11 +85,39 @@ class TensorReads(NamedTuple):
         )
 
 
+class _TappedReader:
+    """A RangeReader whose reads also feed an index tap (index.tap)."""
+
+    def __init__(self, reader: RangeReader, tap: StatsTap) -> None:
+        self.reader, self.tap = reader, tap
+
+    def read_batch(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
+        out = self.reader.read_batch(requests)
+        self.tap.feed(requests, out)
+        return out
+
+    def prefetch(self, requests: list[ReadRequest]) -> None:
+        self.reader.prefetch(requests)
+
+    def close(self) -> None:
+        self.reader.close()
+
+
 class GroupMerger:
-    """Merges the tensors of one group. One instance per task; not shared across threads."""
+    """Merges the tensors of one group. One instance per task; not shared across threads.
+
+    `index`: expert positions to index from the bytes the merge reads (a new family's first
+    merge, whose plan reads every block of theirs): their block statistics and tensor hashes
+    come back in `index_result`."""
 
     def __init__(
-        self, plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger, per_group: int | None = None
+        self,
+        plan: Plan,
+        layout: OutputLayout,
+        staging: Path,
+        ledger: ByteLedger,
+        per_group: int | None = None,
+        index: list[int] | None = None,
     ) -> None:
         self.plan = plan
         # bytes this group's merge may hold (execute.memory); None: every tensor merged whole
@@ -103,6 +134,9 @@ class GroupMerger:
         # the staged bytes against before it trusts them.
         self.written = hashlib.sha256()
         self._needs: dict[str, TensorNeed] = {}
+        self.index = index or []
+        self.tap: StatsTap | None = None
+        self.index_result: dict | None = None
 
     def _path(self, model_index: int, file: str) -> str:
         return join(self.plan.inputs[model_index].root, file)
@@ -110,6 +144,9 @@ class GroupMerger:
     def run(self, group: str) -> int:
         names = self.layout.groups[group]
         self.group = group
+        if self.index:
+            self.tap = StatsTap(self.plan.inputs, [k + 1 for k in self.index], self.plan.block_size, names)
+            self.reader = _TappedReader(self.reader, self.tap)
         wanted: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
         access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
         for e, t, b, r0, r1 in zip(
@@ -137,10 +174,44 @@ class GroupMerger:
                         self._merge_tensor(batch[0])
                     else:
                         self._merge_batch(batch, batch_reads[i])
+                if self.tap is not None:
+                    self.index_result = self._finish_index(names)
             finally:
                 prefetch.shutdown(wait=True, cancel_futures=True)
                 self.reader.close()
         return len(names)
+
+    def _finish_index(self, names: list[str]) -> dict:
+        """The tap's result, once the experts' non-float buffers (which a merge copies from the
+        base and never reads) are read for their hashes, and found identical to the base's."""
+        for name in names:
+            t = self.plan.inputs[0].tensors[name]
+            if DTYPES[t.dtype].is_float:
+                continue
+            for k in self.index:
+                x = self.plan.inputs[k + 1].tensors[name]
+                self.reader.read_batch(
+                    [
+                        ReadRequest(
+                            self._path(k + 1, x.file),
+                            [(x.start, x.start + x.nbytes)],
+                            "index",
+                            self.plan.inputs[k + 1].role,
+                            x.file,
+                        )
+                    ]
+                )
+        result = self.tap.result()
+        hashes = result["sha256"]
+        for name in names:
+            t = self.plan.inputs[0].tensors[name]
+            if DTYPES[t.dtype].is_float:
+                continue
+            for k in self.index:
+                inp = self.plan.inputs[k + 1]
+                if hashes[inp.role][name] != hashes["base"][name]:
+                    raise BadInput(buffer_differs_message(k, inp.uri, name, t.dtype))
+        return result
 
     def _batches(self, reads: list[TensorReads]) -> Iterator[list[TensorReads]]:
         """The group's tensors in order, consecutive small ones of an elementwise merge together
@@ -288,7 +359,11 @@ class GroupMerger:
         dt = DTYPES[dtype]
         out = self.layout.tensors[name]
         out_path = self.staging / out.shard
-        up_front = self.op.expert_passes > 1 or any(is_remote(r.path) for r in requests.values())
+        # Indexing on the way (self.tap) measures each block from the base's and every expert's
+        # bytes of it at once.
+        up_front = (
+            self.tap is not None or self.op.expert_passes > 1 or any(is_remote(r.path) for r in requests.values())
+        )
         order = list(requests) if up_front else []
         (raw,), *expert_raws = self.reader.read_batch([reads.base] + [requests[k] for k in order])
         if not dt.is_float:
@@ -520,14 +595,24 @@ def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]
     return [(layout.tensors[n].shard, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
 
 
-def merge_group(plan: Plan, layout: OutputLayout, group: str, staging: Path, per_group: int | None = None) -> dict:
+def merge_group(
+    plan: Plan,
+    layout: OutputLayout,
+    group: str,
+    staging: Path,
+    per_group: int | None = None,
+    index: list[int] | None = None,
+) -> dict:
     """Merge one group into the staged output, holding at most about per_group bytes (None: no
-    limit). Returns the ledger rows of what it read and wrote, and the SHA-256 of the bytes it
-    wrote."""
+    limit). Returns the ledger rows of what it read and wrote, the SHA-256 of the bytes it
+    wrote and, with `index` (expert positions), those experts' statistics (GroupMerger)."""
     ledger = ByteLedger()
-    merger = GroupMerger(plan, layout, staging, ledger, per_group)
+    merger = GroupMerger(plan, layout, staging, ledger, per_group, index)
     merger.run(group)
-    return {"rows": ledger.rows(), "sha256": merger.written.hexdigest()}
+    result = {"rows": ledger.rows(), "sha256": merger.written.hexdigest()}
+    if index:
+        result["index"] = merger.index_result
+    return result
 
 
 def finished_group(layout: OutputLayout, group: str, staging: Path) -> dict | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from mergepipe import torch
 from mergepipe.config.environment import results_dir, worker_count
 from mergepipe.config.request import MergeRequest
-from mergepipe.config.spec import MergeSpec
+from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import finished_group
 from mergepipe.execute.memory import MemoryPlan, plan_memory
@@ -25,7 +25,9 @@ from mergepipe.flows.orchestration import call_with_retries, in_process, run_tas
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.stats import first_nonfinite
+from mergepipe.index.tap import tap_stats
 from mergepipe.plan import saved
+from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
 from mergepipe.publish.manifest import MANIFEST_FILE, versions
@@ -35,6 +37,7 @@ from mergepipe.storage.location import join
 from mergepipe.tasks import progress
 from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
 from mergepipe.tasks.merge import finish_output, publish_output, record_run, stage_output
+from mergepipe.tasks.plan import plan_merge
 
 log = logging.getLogger("mergepipe.flows")
 
@@ -64,9 +67,15 @@ class IndexOutcome:
     indexed: list[int]  # expert positions indexed in this run
     ledger: ByteLedger = field(default_factory=ByteLedger)
     seconds: float = 0.0
+    # The experts at `indexed` are left for the merge to index on the way (run_index's first_merge).
+    deferred: bool = False
 
 
-def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
+def run_index(spec: MergeSpec, catalog: Path, *, first_merge: bool = False) -> IndexOutcome:
+    """Read the headers and index the experts the catalog lacks. With first_merge (a merge),
+    experts not yet indexed are left to the merge when its plan reads every block anyway
+    (plan.choose.reads_every_block): it indexes them from the bytes it reads, so no expert byte
+    is read twice."""
     t0 = time.perf_counter()
     ledger = ByteLedger()
     family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
@@ -83,6 +92,8 @@ def run_index(spec: MergeSpec, catalog: Path) -> IndexOutcome:
         if (fp not in known or fp not in content) and fp not in seen:
             missing.append(i)
             seen.add(fp)
+    if missing and first_merge and reads_every_block(spec, family):
+        return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0, deferred=True)
     # A catalog from before schema 3 lacks the base's block energies: a plan ranked on them
     # reads the base once more (and no expert) to fill them in.
     if missing or family.base_fp not in content or (spec.rank_by_needs_base and not energies):
@@ -117,10 +128,21 @@ def flow_run_id() -> str | None:
 
 
 @dataclass
+class FirstMerge:
+    """A first merge that indexes experts on the way: the family, the positions it indexes and
+    the content digests known before it."""
+
+    family: Family
+    positions: list[int]
+    content: dict[str, str]
+
+
+@dataclass
 class Execution:
     """One execution of a saved plan: the request it serves, the plan and where it is saved,
-    what ran before it (the index ledger, timings so far) and, for a replay, the digest it must
-    reproduce."""
+    what ran before it (the index ledger, timings so far), for a replay the digest it must
+    reproduce, and for a first merge what it indexes on the way (its plan is then
+    plan.choose.full_read_plan, and the merge is recorded under the plan chosen afterwards)."""
 
     request: MergeRequest
     plan: Plan
@@ -131,6 +153,7 @@ class Execution:
     started_at: str
     t0: float
     expected_digest: str | None = None
+    first: FirstMerge | None = None
 
 
 class _GroupResults:
@@ -141,11 +164,14 @@ class _GroupResults:
         self.resumed = ByteLedger()  # what the runs before it read for the groups it found finished
         self.resumed_groups: list[str] = []
         self.workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
+        self.index: list[dict] = []  # what the groups of a first merge indexed
         self.rep = rep
 
     def add(self, group: str, result: dict, resumed: bool) -> None:
         rows = result["rows"]
         self.workers[group] = result["worker"]
+        if result.get("index") is not None:
+            self.index.append(result["index"])
         if resumed:
             self.resumed.merge(rows)
             self.resumed_groups.append(group)
@@ -178,6 +204,7 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
                 "staging": staging,
                 "options_from": ex.request.options_from,
                 "memory": memory.per_group,
+                "index": ex.first.positions if ex.first else None,
             }
             for g in todo
         ]
@@ -190,6 +217,40 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
     finally:
         rep.finish("read")
         rep.finish("merge")
+
+
+def index_from_merge(ex: Execution, parts: list[dict]) -> tuple[Plan, str]:
+    """A first merge's statistics into the catalog, then the plan the merge is recorded under:
+    the one a merge of the indexed family chooses, which must be the plan executed less the
+    blocks found unchanged (reading those changed no output byte)."""
+    first, spec = ex.first, ex.request.spec
+    result = tap_stats(parts, first.family, first.positions)
+    problem = None if spec.allow_nonfinite else first_nonfinite(result, first.family)
+    if problem:  # refused before ingestion, as the statistics pass refuses it
+        raise BadInput(problem)
+    run_task(ingest_block_stats, first.family, first.positions, spec.block_size_bytes, result, ex.request.catalog)
+    plan, _, plan_dir, _ = run_task(
+        plan_merge, spec, first.family, {**first.content, **result.content}, ex.request.catalog
+    )
+    fps = first.family.expert_fps()
+    unchanged = {
+        (fp, t, b)
+        for fp, t, b, nnz in zip(*(result.stats[c].to_pylist() for c in ("expert_fp", "tensor", "block", "nnz_delta")))
+        if nnz == 0
+    }
+    executed = ex.plan.access
+    expected = {
+        (e, t, b)
+        for e, t, b in zip(*(executed[c].to_pylist() for c in ("expert", "tensor", "block")))
+        if (fps[e], t, b) not in unchanged
+    }
+    chosen = set(zip(*(plan.access[c].to_pylist() for c in ("expert", "tensor", "block"))))
+    if chosen != expected:
+        raise MergepipeError(
+            f"the plan chosen after indexing differs from the blocks merged ({len(chosen)} pairs against "
+            f"{len(expected)}); not publishing"
+        )
+    return plan, plan_dir
 
 
 def execute_plan(ex: Execution) -> dict:
@@ -210,16 +271,27 @@ def execute_plan(ex: Execution) -> dict:
         t_merge = time.perf_counter()
         _merge_groups(ex, staging, results, memory)
         ex.timings["merge"] = time.perf_counter() - t_merge
-        t_finish = time.perf_counter()
-        output, rows = run_task(finish_output, ex.plan_dir, staging)
-        ledger.merge(rows)
-        ex.timings["finish"] = time.perf_counter() - t_finish
         expert_read = ledger.total("expert")
         if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
             raise MergepipeError(
                 f"read {expert_read} expert bytes (and {resumed.total('expert')} in resumed groups) "
                 f"but the plan has {plan.expert_bytes_planned}; not publishing"
             )
+        if ex.first is not None:
+            t_index = time.perf_counter()
+            executed = plan
+            plan, ex.plan_dir = index_from_merge(ex, results.index)
+            ex.timings["index_in_merge"] = time.perf_counter() - t_index
+            indexed = {
+                "experts": [expert_label(i) for i in ex.first.positions],
+                "expert_bytes_executed": executed.expert_bytes_planned,
+                "unchanged_bytes_read": executed.expert_bytes_planned - plan.expert_bytes_planned,
+                "index_bytes": ledger.total("index"),
+            }
+        t_finish = time.perf_counter()
+        output, rows = run_task(finish_output, ex.plan_dir, staging)
+        ledger.merge(rows)
+        ex.timings["finish"] = time.perf_counter() - t_finish
         run = {
             "kind": ex.kind,
             "started_at": ex.started_at,
@@ -240,6 +312,8 @@ def execute_plan(ex: Execution) -> dict:
             "timings": ex.timings,
             "memory": memory.as_json(),
         }
+        if ex.first is not None:
+            run["indexed_in_merge"] = indexed
         manifest, rows = run_task(
             publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest
         )
@@ -293,5 +367,7 @@ def execute_plan(ex: Execution) -> dict:
         "memory": memory.as_json(),
         "flow_run_id": flow_run_id(),
     }
+    if ex.first is not None:
+        result["indexed_in_merge"] = indexed
     summary_artifact(result)
     return result

@@ -10,10 +10,10 @@ from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput
 from mergepipe.execute.memory import plan_memory
 from mergepipe.flows.artifacts import plan_artifact
-from mergepipe.flows.common import Execution, execute_plan, now, run_index
+from mergepipe.flows.common import Execution, FirstMerge, execute_plan, now, run_index
 from mergepipe.flows.orchestration import declare_flow, run_task
 from mergepipe.plan.output import output_layout_of
-from mergepipe.tasks.plan import plan_merge
+from mergepipe.tasks.plan import plan_first_merge, plan_merge
 
 
 def scheduled_date():
@@ -105,9 +105,16 @@ def merge(
         allow_empty=allow_empty,
         memory=memory,
     )
-    outcome = run_index(request.spec, request.catalog)
+    outcome = run_index(request.spec, request.catalog, first_merge=True)
     t_plan = time.perf_counter()
-    p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
-    plan_artifact(plan_result(p, request.spec, explain, plan_dir))
+    if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
+        first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
+        p, plan_dir = run_task(
+            plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
+        )
+    else:
+        first = None
+        p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
+        plan_artifact(plan_result(p, request.spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
-    return execute_plan(Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0))
+    return execute_plan(Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first))

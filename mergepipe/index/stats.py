@@ -131,10 +131,33 @@ def _block_ranges(model: ModelFiles, name: str, blocks: list[tuple[int, int]]) -
     return [byte_range(info.start, info.shape, DTYPES[info.dtype].itemsize, r0, r1) for r0, r1 in blocks]
 
 
+def decode_block(dtype: str, shape: tuple[int, ...], rows: tuple[int, int], raw) -> torch.Tensor:
+    """Rows [r0, r1) of a tensor of `shape`, stored as `raw` (writable: decoded in place)."""
+    return decode(raw, dtype, (rows[1] - rows[0], *shape[1:]) if shape else ())
+
+
 def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: bytearray) -> torch.Tensor:
     info = model.tensors[name].info
-    shape = (rows[1] - rows[0], *info.shape[1:]) if info.shape else ()
-    return decode(raw, info.dtype, shape)
+    return decode_block(info.dtype, tuple(info.shape), rows, raw)
+
+
+def base_block(base_t: torch.Tensor) -> tuple[np.ndarray, float]:
+    """A base block in fp64 (flat, shared by every expert's statistics) and its energy sum(b^2)."""
+    base64 = base_t.double().numpy().reshape(-1)
+    return base64, float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
+
+
+def expert_block_row(
+    fp: str, name: str, b: int, raw, expert_t: torch.Tensor, base_t: torch.Tensor, base64: np.ndarray
+) -> tuple:
+    """One (expert, block) row of STATS_SCHEMA from the block's stored bytes and its values."""
+    sq, mx, nnz = delta_stats(base_t, expert_t, base64)
+    if not (math.isfinite(sq) and math.isfinite(mx)):
+        # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the planner
+        # can never leave it out; the config decides (allow_nonfinite) whether such a
+        # family may be merged at all.
+        sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
+    return (fp, name, b, len(raw), sq, mx, nnz, xxhash.xxh3_128_hexdigest(raw))
 
 
 def _expert_rows(
@@ -156,13 +179,7 @@ def _expert_rows(
         raw = memoryview(chunk)[ranges[j][0] - ranges[0][0] : ranges[j][1] - ranges[0][0]]
         hasher.update(raw)
         base_t, base64 = bases[j]
-        sq, mx, nnz = delta_stats(base_t, _decode_block(model, name, block, raw), base64)
-        if not (math.isfinite(sq) and math.isfinite(mx)):
-            # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the planner
-            # can never leave it out; the config decides (allow_nonfinite) whether such a
-            # family may be merged at all.
-            sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
-        out.append((fp, name, b, len(raw), sq, mx, nnz, xxhash.xxh3_128_hexdigest(raw)))
+        out.append(expert_block_row(fp, name, b, raw, _decode_block(model, name, block, raw), base_t, base64))
     return out
 
 
@@ -224,9 +241,8 @@ def compute_stats(
                 bases = []
                 for b, block, raw in zip(run.run, run.rows, base_raws):
                     base_t = _decode_block(family.base, name, block, raw)
-                    base64 = base_t.double().numpy().reshape(-1)
+                    base64, base_sq = base_block(base_t)
                     bases.append((base_t, base64))
-                    base_sq = float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
                     for col, value in zip(
                         BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)
                     ):
@@ -322,10 +338,14 @@ def _check_buffers(experts, name: str, dtype: str, base_chunk: bytearray, chunks
     for (i, model, _), chunk, h in zip(experts, chunks, hashers):
         h[name].update(chunk)
         if chunk != base_chunk:
-            raise BadInput(
-                f"expert {i} ({model.uri}): tensor {name!r} is a {dtype} buffer that differs "
-                "from the base; non-float tensors must be identical across the family"
-            )
+            raise BadInput(buffer_differs_message(i, model.uri, name, dtype))
+
+
+def buffer_differs_message(expert: int, uri: str, name: str, dtype: str) -> str:
+    return (
+        f"expert {expert} ({uri}): tensor {name!r} is a {dtype} buffer that differs "
+        "from the base; non-float tensors must be identical across the family"
+    )
 
 
 def first_nonfinite(result: StatsResult, family: Family) -> str | None:

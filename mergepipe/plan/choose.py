@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pyarrow as pa
+
 from mergepipe.catalog import db, planner, records
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.index.blocks import block_rows, row_elems
 from mergepipe.index.family import Family
 from mergepipe.index.stats import nonfinite_message
 from mergepipe.operators import get_operator
 from mergepipe.plan.params import resolve_tensor_params
-from mergepipe.plan.record import Plan, build_plan, error_bound, full_expert_bytes
+from mergepipe.plan.record import ACCESS_SCHEMA, Plan, build_plan, error_bound, full_expert_bytes
+from mergepipe.storage.safetensors_format import DTYPES
 
 # Tensors of at least this many stored bytes (per expert) carry bounds on their deltas' nonzero
 # counts in the plan: those an operator may merge a window at a time, where the bound can spare
@@ -136,3 +140,63 @@ def choose_plan(
         )
         explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
     return plan, explain, warnings
+
+
+def reads_every_block(spec: MergeSpec, family: Family) -> bool:
+    """Whether this spec's plan reads every block whose delta is not zero, whatever the
+    statistics: a byte budget of every expert byte, and no coefficient that leaves a pair
+    unread. Then a family not yet indexed can be indexed by its first merge (full_read_plan)."""
+    if spec.max_error is not None or spec.io_budget.resolve(full_expert_bytes(family)) < full_expert_bytes(family):
+        return False
+    op = get_operator(spec.merge_method)
+    if not op.zero_coefficient_unused:
+        return True
+    table = resolve_tensor_params(spec, family.base.tensors)
+    return all(c != 0 for p in table.sets for c in op.coefficients(p))
+
+
+def full_read_plan(
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, unindexed: list[int]
+) -> Plan:
+    """The plan of a first merge that indexes the experts at positions `unindexed` (and any
+    position listing the same files) on the way: every block of theirs, and what the full
+    budget selects of the indexed experts'. It is executed, never published: once the
+    statistics it gathered are in the catalog, choose_plan gives the plan the merge is
+    recorded under, which is this one less the blocks found unchanged (flows.common).
+    Content digests not known yet (theirs, the base's) are named by fingerprint."""
+    op = get_operator(spec.merge_method)
+    table = resolve_tensor_params(spec, family.base.tensors)
+    per_set = [op.coefficients(p) for p in table.sets]
+    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
+    expert_fps = family.expert_fps()
+    full = full_expert_bytes(family)
+    with db.connect(catalog) as con:
+        planner.rank_candidates(
+            con,
+            family.base_fp,
+            spec.block_size_bytes,
+            expert_fps,
+            coefficients,
+            skip_zero=op.zero_coefficient_unused,
+            rank_by=spec.rank_by,
+        )
+        planner.select_within_bytes(con, full)
+        known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
+    new = {fp for i, fp in enumerate(expert_fps) if i in unindexed}
+    cols: dict[str, list] = {f: [] for f in ACCESS_SCHEMA.names}
+    for name in sorted(family.base.tensors):
+        info = family.base.tensors[name].info
+        if not DTYPES[info.dtype].is_float:
+            continue
+        blocks = block_rows(info.shape, DTYPES[info.dtype].itemsize, spec.block_size_bytes)
+        for i, fp in enumerate(expert_fps):
+            if fp not in new:
+                continue
+            row_bytes = row_elems(info.shape) * DTYPES[family.experts[i].tensors[name].info.dtype].itemsize
+            for b, (r0, r1) in enumerate(blocks):
+                if r1 > r0 and row_bytes:
+                    for col, value in zip(ACCESS_SCHEMA.names, (i, name, b, r0, r1, (r1 - r0) * row_bytes)):
+                        cols[col].append(value)
+    access = pa.concat_tables([known, pa.table(cols, schema=ACCESS_SCHEMA)])
+    pending = {fp: f"unindexed:{fp}" for fp in [family.base_fp, *new] if fp not in content}
+    return build_plan(spec, family, {**content, **pending}, access, budget_bytes=full, bound=0.0, params=table)

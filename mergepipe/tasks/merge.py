@@ -34,7 +34,12 @@ def stage_output(plan_dir: str, out: str) -> str:
 
 @declare_task("merge-layer-group", task_run_name="merge-layer-group[{group}]", **STORAGE_RETRIES)
 def merge_layer_group(
-    plan_dir: str, group: str, staging: str, options_from: str | None = None, memory: int | None = None
+    plan_dir: str,
+    group: str,
+    staging: str,
+    options_from: str | None = None,
+    memory: int | None = None,
+    index: list[int] | None = None,
 ) -> dict:
     """Merge one group of tensors into the staged output and mark it done with its result: the
     ledger rows, the hash of the bytes written and the worker. A run resumed after a crash takes
@@ -42,12 +47,13 @@ def merge_layer_group(
 
     `options_from`: the config whose storage_options this process needs (a Dask worker has
     not loaded it); its path travels, never the options. Read once per process, and only that key.
-    `memory`: the bytes this group's merge may hold (execute.memory.plan_memory)."""
+    `memory`: the bytes this group's merge may hold (execute.memory.plan_memory).
+    `index`: expert positions indexed from the bytes the merge reads (a first merge)."""
     if options_from is not None and not storage_options_set():
         set_storage_options(storage_options_of(options_from))
     plan, layout = saved.load(plan_dir)
     result = {
-        **merge_group(plan, layout, group, Path(staging), memory),
+        **merge_group(plan, layout, group, Path(staging), memory, index),
         "worker": f"{socket.gethostname()}:{os.getpid()}",
     }
     writer.mark_group_done(Path(staging), group, result)

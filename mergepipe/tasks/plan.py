@@ -8,7 +8,7 @@ from mergepipe.config.environment import plans_root
 from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
 from mergepipe.plan import saved
-from mergepipe.plan.choose import choose_plan
+from mergepipe.plan.choose import choose_plan, full_read_plan
 from mergepipe.plan.record import Plan
 from mergepipe.tasks.declare import declare_task
 
@@ -20,3 +20,12 @@ def plan_merge(
     """Returns the plan, its explain rows, the folder it was saved in, and its warnings."""
     plan, explain, warnings = choose_plan(spec, family, content, catalog, refuse_empty=refuse_empty)
     return plan, explain, saved.save(plan, plans_root()), warnings
+
+
+@declare_task("plan-first-merge")
+def plan_first_merge(
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, unindexed: list[int]
+) -> tuple[Plan, str]:
+    """The plan of a first merge that indexes on the way (plan.choose.full_read_plan), and its folder."""
+    plan = full_read_plan(spec, family, content, catalog, unindexed)
+    return plan, saved.save(plan, plans_root())

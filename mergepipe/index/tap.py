@@ -1,0 +1,225 @@
+"""Block statistics taken from bytes a merge reads anyway: a new family's first merge that reads
+every block indexes it in the same pass (no second read of any expert byte).
+
+The tap is handed each batch of bytes as it is read, tensor by tensor, and computes what the
+statistics pass (index.stats) computes, block by block with the same functions, so the rows,
+hashes and content digests are the same as that pass's. Bytes must come in order within each
+(model, tensor); bytes seen before (a pass over windows read again) are skipped. A block is
+measured once the base's bytes and every indexed expert's bytes of it have arrived; only the
+bytes of blocks not yet complete are kept between batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from bisect import bisect_right
+
+import pyarrow as pa
+
+from mergepipe.config.spec import expert_label
+from mergepipe.errors import MergepipeError
+from mergepipe.index.blocks import block_rows, layer_group, row_elems
+from mergepipe.index.family import Family
+from mergepipe.index.stats import (
+    BLOCKS_SCHEMA,
+    STATS_SCHEMA,
+    StatsResult,
+    base_block,
+    content_digest,
+    decode_block,
+    expert_block_row,
+)
+from mergepipe.storage.safetensors_format import DTYPES
+
+
+class _Stream:
+    """One model's bytes of one tensor, as they arrive: hashed, and kept from the first block
+    not yet measured."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.seen = 0
+        self.sha = hashlib.sha256()
+        self.kept = bytearray()  # bytes [kept_from, kept_from + len) carried over from earlier batches
+        self.kept_from = 0
+        self.fresh: list[memoryview] = []  # this batch's new bytes (views of the reader's buffers)
+
+    def offer(self, offset: int, view: memoryview) -> None:
+        if offset > self.seen:
+            raise MergepipeError(f"bytes {self.seen}..{offset} were skipped")
+        skip = self.seen - offset
+        if skip >= len(view):
+            return
+        view = view[skip:]
+        self.sha.update(view)
+        self.fresh.append(view)
+        self.seen += len(view)
+
+    def held(self) -> memoryview:
+        """Bytes [kept_from, seen): a view without a copy where the batch brought them in one piece."""
+        if not self.kept and len(self.fresh) == 1:
+            return self.fresh[0]
+        if self.fresh:
+            self.kept += b"".join(self.fresh)
+            self.fresh = []
+        return memoryview(self.kept)
+
+    def release(self, upto: int, held: memoryview) -> None:
+        """Drop the bytes before `upto`, keeping (as a copy) those after it."""
+        self.kept = bytearray(held[upto - self.kept_from :])
+        self.kept_from = upto
+        self.fresh = []
+
+
+class _Tensor:
+    def __init__(self, name: str, entries: list, models: list[int], block_size: int) -> None:
+        base = entries[0]
+        self.name = name
+        self.shape = tuple(base.shape)
+        self.is_float = DTYPES[base.dtype].is_float
+        self.entries = {m: entries[m] for m in models}  # input positions: 0 (the base), then each indexed expert
+        self.streams = {m: _Stream(entries[m].nbytes) for m in models}
+        self.rows = block_rows(self.shape, DTYPES[base.dtype].itemsize, block_size)
+        self.next = 0  # the first block not yet measured
+
+    def row_bytes(self, m: int) -> int:
+        return row_elems(self.shape) * DTYPES[self.entries[m].dtype].itemsize
+
+
+class StatsTap:
+    """Statistics of the indexed experts (input positions `experts`, 1-based as in plan.inputs)
+    over the tensors `names`, from bytes fed in as they are read."""
+
+    def __init__(self, inputs: list, experts: list[int], block_size: int, names: list[str]) -> None:
+        self.inputs = inputs
+        self.experts = experts
+        self.models = [0, *experts]
+        self.block_size = block_size
+        self._lock = threading.Lock()
+        self.tensors: dict[str, _Tensor] = {}
+        # Per (input position, file): tensor starts in order, to find the tensors a range spans.
+        self._files: dict[tuple[int, str], tuple[list[int], list[str]]] = {}
+        self._position = {inp.role: i for i, inp in enumerate(inputs)}
+        for name in names:
+            self.tensors[name] = _Tensor(name, [inp.tensors[name] for inp in inputs], self.models, block_size)
+        for m in self.models:
+            by_file: dict[str, list[tuple[int, str]]] = {}
+            for name in names:
+                e = inputs[m].tensors[name]
+                by_file.setdefault(e.file, []).append((e.start, name))
+            for file, starts in by_file.items():
+                starts.sort()
+                self._files[(m, file)] = ([s for s, _ in starts], [n for _, n in starts])
+        self.stats: dict[str, list] = {f: [] for f in STATS_SCHEMA.names}
+        self.blocks: dict[str, list] = {f: [] for f in BLOCKS_SCHEMA.names}
+
+    def feed(self, requests: list, buffers: list[list]) -> None:
+        """One batch of reads (storage.reader.ReadRequest and the buffers read for its ranges)."""
+        with self._lock:
+            touched: dict[str, _Tensor] = {}
+            for req, bufs in zip(requests, buffers):
+                m = self._position.get(req.model)
+                index = self._files.get((m, req.file)) if m is not None else None
+                if index is None:
+                    continue
+                starts, names = index
+                for (a, b), buf in zip(req.ranges, bufs):
+                    view = memoryview(buf)
+                    j = max(0, bisect_right(starts, a) - 1)
+                    while j < len(starts) and starts[j] < b:
+                        t = self.tensors[names[j]]
+                        e = t.entries[m]
+                        lo, hi = max(a, e.start), min(b, e.start + e.nbytes)
+                        if lo < hi:
+                            try:
+                                t.streams[m].offer(lo - e.start, view[lo - a : hi - a])
+                            except MergepipeError as err:
+                                raise MergepipeError(f"indexing in the merge: tensor {t.name!r} of {req.model}: {err}")
+                            touched[t.name] = t
+                        j += 1
+            for t in touched.values():
+                self._measure(t)
+
+    def _measure(self, t: _Tensor) -> None:
+        """Every block of `t` whose bytes have all arrived, then keep only what follows them."""
+        held = {m: s.held() for m, s in t.streams.items()}
+        if t.is_float:
+            while t.next < len(t.rows) and all(
+                s.seen >= t.rows[t.next][1] * t.row_bytes(m) for m, s in t.streams.items()
+            ):
+                self._block(t, t.next, held)
+                t.next += 1
+        for m, s in t.streams.items():
+            # a float tensor keeps from its first unmeasured block; any other needs only its hash
+            upto = min(t.rows[t.next][0] * t.row_bytes(m), s.seen) if t.is_float and t.next < len(t.rows) else s.seen
+            s.release(upto, held[m])
+
+    def _block(self, t: _Tensor, b: int, held: dict[int, memoryview]) -> None:
+        rows = t.rows[b]
+
+        def raw(m: int) -> memoryview:
+            s, n = t.streams[m], t.row_bytes(m)
+            return held[m][rows[0] * n - s.kept_from : rows[1] * n - s.kept_from]
+
+        base_raw = raw(0)
+        base_t = decode_block(t.entries[0].dtype, t.shape, rows, base_raw)
+        base64, base_sq = base_block(base_t)
+        for col, value in zip(
+            BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), rows[0], rows[1], len(base_raw), base_sq)
+        ):
+            self.blocks[col].append(value)
+        for m in self.experts:
+            x = raw(m)
+            row = expert_block_row(
+                self.inputs[m].model_fp,
+                t.name,
+                b,
+                x,
+                decode_block(t.entries[m].dtype, t.shape, rows, x),
+                base_t,
+                base64,
+            )
+            for col, value in zip(STATS_SCHEMA.names, row):
+                self.stats[col].append(value)
+
+    def result(self) -> dict:
+        """What a layer group's task returns (JSON): the statistics rows, the base's block rows,
+        and each model's SHA-256 per tensor. Every byte of every tensor must have come by now."""
+        with self._lock:
+            for t in self.tensors.values():
+                for m, s in t.streams.items():
+                    if s.seen != s.nbytes:
+                        raise MergepipeError(
+                            f"indexing in the merge: tensor {t.name!r} of {self.inputs[m].role}: "
+                            f"{s.seen} of its {s.nbytes} bytes were read"
+                        )
+            return {
+                "stats": self.stats,
+                "blocks": self.blocks,
+                "sha256": {
+                    self.inputs[m].role: {n: t.streams[m].sha.hexdigest() for n, t in self.tensors.items()}
+                    for m in self.models
+                },
+            }
+
+
+def tap_stats(parts: list[dict], family: Family, positions: list[int]) -> StatsResult:
+    """The statistics pass's result (index.stats.compute_stats) from every layer group's tap
+    result, for the experts at `positions`: the same rows, layout and content digests."""
+    stats: dict[str, list] = {f: [] for f in STATS_SCHEMA.names}
+    blocks: dict[str, list] = {f: [] for f in BLOCKS_SCHEMA.names}
+    hashes: dict[str, dict[str, str]] = {}
+    for part in parts:
+        for col in stats:
+            stats[col].extend(part["stats"][col])
+        for col in blocks:
+            blocks[col].extend(part["blocks"][col])
+        for role, by_tensor in part["sha256"].items():
+            hashes.setdefault(role, {}).update(by_tensor)
+    result = StatsResult(pa.table(stats, schema=STATS_SCHEMA), pa.table(blocks, schema=BLOCKS_SCHEMA))
+    result.content[family.base_fp] = content_digest(hashes["base"], family.base)
+    fps = family.expert_fps()
+    for i in positions:
+        result.content[fps[i]] = content_digest(hashes[expert_label(i)], family.experts[i])
+    return result
