@@ -164,14 +164,14 @@ class _GroupResults:
         self.resumed = ByteLedger()  # what the runs before it read for the groups it found finished
         self.resumed_groups: list[str] = []
         self.workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
-        self.index: list[dict] = []  # what the groups of a first merge indexed
+        self.index: list[tuple[dict, bool]] = []  # what the groups of a first merge indexed, resumed or not
         self.rep = rep
 
     def add(self, group: str, result: dict, resumed: bool) -> None:
         rows = result["rows"]
         self.workers[group] = result["worker"]
         if result.get("index") is not None:
-            self.index.append(result["index"])
+            self.index.append((result["index"], resumed))
         if resumed:
             self.resumed.merge(rows)
             self.resumed_groups.append(group)
@@ -253,6 +253,26 @@ def index_from_merge(ex: Execution, parts: list[dict]) -> tuple[Plan, str]:
     return plan, plan_dir
 
 
+def _count_as_index(part: dict, executed: Plan, ledger: ByteLedger) -> int:
+    """Move the bytes of the blocks a group found unchanged (read by every position listing
+    that expert) from `expert` to `index` in its ledger; returns how many."""
+    positions: dict[str, list[int]] = {}
+    for k, inp in enumerate(executed.inputs[1:]):
+        positions.setdefault(inp.model_fp, []).append(k)
+    stats = part["stats"]
+    moved = 0
+    for fp, tensor, nnz, nbytes in zip(stats["expert_fp"], stats["tensor"], stats["nnz_delta"], stats["bytes"]):
+        if nnz:
+            continue
+        for k in positions[fp]:
+            inp = executed.inputs[k + 1]
+            file = inp.tensors[tensor].file
+            ledger.add("expert", inp.role, file, -nbytes, requests=0)
+            ledger.add("index", inp.role, file, nbytes, requests=0)
+            moved += nbytes
+    return moved
+
+
 def execute_plan(ex: Execution) -> dict:
     """Stage, merge every layer group, hash, write the manifest, publish, record the run.
 
@@ -280,13 +300,23 @@ def execute_plan(ex: Execution) -> dict:
         if ex.first is not None:
             t_index = time.perf_counter()
             executed = plan
-            plan, ex.plan_dir = index_from_merge(ex, results.index)
+            plan, ex.plan_dir = index_from_merge(ex, [part for part, _ in results.index])
+            # The unchanged blocks were read for the index alone: their bytes count as `index`.
+            unchanged = 0
+            for part, was_resumed in results.index:
+                unchanged += _count_as_index(part, executed, resumed if was_resumed else ledger)
+            expert_read = ledger.total("expert")
+            if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
+                raise MergepipeError(
+                    f"the merge read {expert_read + resumed.total('expert')} bytes of changed blocks "
+                    f"but the plan chosen after indexing has {plan.expert_bytes_planned}; not publishing"
+                )
             ex.timings["index_in_merge"] = time.perf_counter() - t_index
             indexed = {
                 "experts": [expert_label(i) for i in ex.first.positions],
                 "expert_bytes_executed": executed.expert_bytes_planned,
-                "unchanged_bytes_read": executed.expert_bytes_planned - plan.expert_bytes_planned,
-                "index_bytes": ledger.total("index"),
+                "unchanged_bytes_read": unchanged,
+                "index_bytes": ledger.total("index") + resumed.total("index"),
             }
         t_finish = time.perf_counter()
         output, rows = run_task(finish_output, ex.plan_dir, staging)

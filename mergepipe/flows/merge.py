@@ -12,6 +12,7 @@ from mergepipe.execute.memory import plan_memory
 from mergepipe.flows.artifacts import plan_artifact
 from mergepipe.flows.common import Execution, FirstMerge, execute_plan, now, run_index
 from mergepipe.flows.orchestration import declare_flow, run_task
+from mergepipe.plan import saved
 from mergepipe.plan.output import output_layout_of
 from mergepipe.tasks.plan import plan_first_merge, plan_merge
 
@@ -107,13 +108,18 @@ def merge(
     )
     outcome = run_index(request.spec, request.catalog, first_merge=True)
     t_plan = time.perf_counter()
+    first = None
     if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
-        first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
         p, plan_dir = run_task(
             plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
         )
-    else:
-        first = None
+        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given)
+        if mem.reread_max == 0:
+            first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
+        else:  # tensors merged in passes over windows would be read again: index them first
+            outcome = run_index(request.spec, request.catalog)
+            t_plan = time.perf_counter()
+    if first is None:
         p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
         plan_artifact(plan_result(p, request.spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}

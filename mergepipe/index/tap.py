@@ -34,16 +34,14 @@ from mergepipe.storage.safetensors_format import DTYPES
 
 
 class _Stream:
-    """One model's bytes of one tensor, as they arrive: hashed, and kept from the first block
-    not yet measured."""
+    """One model's bytes of one tensor, as they arrive: hashed, and held from the first block
+    not yet measured (views of this batch's buffers, and a copy of what earlier batches left)."""
 
     def __init__(self, nbytes: int) -> None:
         self.nbytes = nbytes
         self.seen = 0
         self.sha = hashlib.sha256()
-        self.kept = bytearray()  # bytes [kept_from, kept_from + len) carried over from earlier batches
-        self.kept_from = 0
-        self.fresh: list[memoryview] = []  # this batch's new bytes (views of the reader's buffers)
+        self.pieces: list[tuple[int, memoryview]] = []  # (offset in the tensor, bytes), in order
 
     def offer(self, offset: int, view: memoryview) -> None:
         if offset > self.seen:
@@ -53,23 +51,22 @@ class _Stream:
             return
         view = view[skip:]
         self.sha.update(view)
-        self.fresh.append(view)
+        self.pieces.append((self.seen, view))
         self.seen += len(view)
 
-    def held(self) -> memoryview:
-        """Bytes [kept_from, seen): a view without a copy where the batch brought them in one piece."""
-        if not self.kept and len(self.fresh) == 1:
-            return self.fresh[0]
-        if self.fresh:
-            self.kept += b"".join(self.fresh)
-            self.fresh = []
-        return memoryview(self.kept)
+    def take(self, a: int, b: int):
+        """Bytes [a, b), all arrived: a view where one piece holds them, else a (writable) copy."""
+        for o, v in self.pieces:
+            if o <= a and b <= o + len(v):
+                return v[a - o : b - o]
+        return bytearray().join(
+            v[max(a, o) - o : min(b, o + len(v)) - o] for o, v in self.pieces if o < b and o + len(v) > a
+        )
 
-    def release(self, upto: int, held: memoryview) -> None:
-        """Drop the bytes before `upto`, keeping (as a copy) those after it."""
-        self.kept = bytearray(held[upto - self.kept_from :])
-        self.kept_from = upto
-        self.fresh = []
+    def release(self, upto: int) -> None:
+        """Drop the bytes before `upto`; a copy of those after it outlives the batch's buffers."""
+        tail = [v[max(upto, o) - o :] for o, v in self.pieces if o + len(v) > upto]
+        self.pieces = [(max(upto, self.pieces[0][0]), memoryview(bytearray().join(tail)))] if tail else []
 
 
 class _Tensor:
@@ -95,7 +92,6 @@ class StatsTap:
         self.inputs = inputs
         self.experts = experts
         self.models = [0, *experts]
-        self.block_size = block_size
         self._lock = threading.Lock()
         self.tensors: dict[str, _Tensor] = {}
         # Per (input position, file): tensor starts in order, to find the tensors a range spans.
@@ -143,43 +139,33 @@ class StatsTap:
 
     def _measure(self, t: _Tensor) -> None:
         """Every block of `t` whose bytes have all arrived, then keep only what follows them."""
-        held = {m: s.held() for m, s in t.streams.items()}
         if t.is_float:
             while t.next < len(t.rows) and all(
                 s.seen >= t.rows[t.next][1] * t.row_bytes(m) for m, s in t.streams.items()
             ):
-                self._block(t, t.next, held)
+                self._block(t, t.next)
                 t.next += 1
         for m, s in t.streams.items():
             # a float tensor keeps from its first unmeasured block; any other needs only its hash
             upto = min(t.rows[t.next][0] * t.row_bytes(m), s.seen) if t.is_float and t.next < len(t.rows) else s.seen
-            s.release(upto, held[m])
+            s.release(upto)
 
-    def _block(self, t: _Tensor, b: int, held: dict[int, memoryview]) -> None:
-        rows = t.rows[b]
+    def _block(self, t: _Tensor, b: int) -> None:
+        r0, r1 = t.rows[b]
 
-        def raw(m: int) -> memoryview:
-            s, n = t.streams[m], t.row_bytes(m)
-            return held[m][rows[0] * n - s.kept_from : rows[1] * n - s.kept_from]
+        def raw(m: int):
+            n = t.row_bytes(m)
+            return t.streams[m].take(r0 * n, r1 * n)
 
         base_raw = raw(0)
-        base_t = decode_block(t.entries[0].dtype, t.shape, rows, base_raw)
+        base_t = decode_block(t.entries[0].dtype, t.shape, (r0, r1), base_raw)
         base64, base_sq = base_block(base_t)
-        for col, value in zip(
-            BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), rows[0], rows[1], len(base_raw), base_sq)
-        ):
+        for col, value in zip(BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), r0, r1, len(base_raw), base_sq)):
             self.blocks[col].append(value)
         for m in self.experts:
             x = raw(m)
-            row = expert_block_row(
-                self.inputs[m].model_fp,
-                t.name,
-                b,
-                x,
-                decode_block(t.entries[m].dtype, t.shape, rows, x),
-                base_t,
-                base64,
-            )
+            expert_t = decode_block(t.entries[m].dtype, t.shape, (r0, r1), x)
+            row = expert_block_row(self.inputs[m].model_fp, t.name, b, x, expert_t, base_t, base64)
             for col, value in zip(STATS_SCHEMA.names, row):
                 self.stats[col].append(value)
 

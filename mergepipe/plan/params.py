@@ -3,6 +3,7 @@ operator's declared defaults, as a ParamTable (each distinct set once)."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any, NamedTuple
 
 from mergepipe.config.settings import evaluate
@@ -98,12 +99,26 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
     return params
 
 
+# The last resolution, with the spec and the names it was made for: the stages of one merge
+# (the config check, the planner, the plan) ask for the same table, which costs time per tensor.
+_last: tuple | None = None
+_last_lock = threading.Lock()
+
+
 def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
 
-    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers."""
+    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers. Asked again
+    for the same spec and names objects, it returns the same table."""
+    global _last
+    with _last_lock:
+        if _last is not None and _last[0] is spec and _last[1] is tensor_names:
+            return _last[2]
     check_parameters(spec)
     names = sorted(tensor_names)
     n_layers = layer_count(names)
     settings = _Settings.of(spec)
-    return ParamTable.build({name: _resolve(spec, settings, name, layer_position(name, n_layers)) for name in names})
+    table = ParamTable.build({name: _resolve(spec, settings, name, layer_position(name, n_layers)) for name in names})
+    with _last_lock:
+        _last = (spec, tensor_names, table)
+    return table
