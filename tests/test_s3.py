@@ -108,6 +108,18 @@ def test_s3_to_s3_and_s3_to_local_give_the_local_digest(s3, families, catalog, l
     assert set(keys_under(s3, f"out/s3-{tag}")) == {p.name for p in local_out.iterdir()}
 
 
+def test_a_first_merge_from_s3_indexes_on_the_way_with_the_local_digest(s3, families, local_reference, tmp_path):
+    """On a catalog that has never seen the S3 family, a 100% merge indexes it from the bytes it
+    downloads: every expert byte fetched once, the digest of the local two-pass route."""
+    _, remote_fam = families
+    cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="100%")
+    got = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=str(tmp_path / "fresh.duckdb"))
+    want = local_reference["100%"]
+    assert "indexed_in_merge" in got and got["index_bytes"]["expert"] == 0
+    assert got["digest"] == want["digest"] and got["expert_bytes_read"] == want["expert_bytes_planned"]
+    assert got["bytes"]["expert"] + got["bytes"]["index"] == got["full_expert_bytes"]
+
+
 def test_server_side_bytes_match_the_ledger_at_ten_percent(s3, families, catalog, tmp_path):
     local, remote_fam = families
     cfg = config_for(tmp_path, remote_fam, "task_arithmetic", budget="10%")

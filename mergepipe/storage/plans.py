@@ -26,7 +26,8 @@ def plan_folder(root: Path, plan_digest: str, inputs: list[tuple[str, str]]) -> 
 def save_plan(folder: Path, record: dict, access: pa.Table) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"{PLAN_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True))
+    # compact: json's C encoder writes only without indentation (a plan of 100k tensors)
+    tmp.write_text(json.dumps(record, sort_keys=True, separators=(",", ":")))
     pq.write_table(access, folder / f"{ACCESS_TABLE}.tmp")
     os.replace(folder / f"{ACCESS_TABLE}.tmp", folder / ACCESS_TABLE)
     os.replace(tmp, folder / PLAN_FILE)
