@@ -5,6 +5,7 @@ merge has the digest of the two-pass route (index, then merge), under any memory
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import yaml
@@ -132,7 +133,9 @@ def test_first_merge_indexes_in_one_pass_with_the_two_pass_digest(family, tmp_pa
     needs = memory.tensor_needs(*saved.load(two["plan_dir"]))
     largest = max(needs, key=lambda n: n.whole)
     per_group = max(2 * max(n.least for n in needs), largest.whole // 4)
-    small = merge(config=str(cfg), out=str(tmp_path / "small"), catalog=small_cat, memory=str(2 * per_group))
+    # a first merge leaves INDEXING_SHARE of the budget to the statistics
+    budget = str(math.ceil(2 * per_group / (1 - memory.INDEXING_SHARE)))
+    small = merge(config=str(cfg), out=str(tmp_path / "small"), catalog=small_cat, memory=budget)
     assert small["memory"]["per_group_bytes"] < largest.whole
     assert small["digest"] == two["digest"]
     # Where tensors merged in passes over windows would be read again, the family is indexed
@@ -144,9 +147,9 @@ def test_first_merge_indexes_in_one_pass_with_the_two_pass_digest(family, tmp_pa
     # Indexed in a merge over windows read in passes all the same: the tap measures each byte
     # once, at its first read, whatever reads it again.
     real = flows_merge.plan_memory
-    monkeypatch.setattr(flows_merge, "plan_memory", lambda *a: dataclasses.replace(real(*a), reread_max=0))
+    monkeypatch.setattr(flows_merge, "plan_memory", lambda *a, **k: dataclasses.replace(real(*a, **k), reread_max=0))
     forced_cat = str(tmp_path / "forced.duckdb")
-    forced = merge(config=str(cfg), out=str(tmp_path / "forced"), catalog=forced_cat, memory=str(2 * per_group))
+    forced = merge(config=str(cfg), out=str(tmp_path / "forced"), catalog=forced_cat, memory=budget)
     assert forced["digest"] == two["digest"] and "indexed_in_merge" in forced and forced["bytes"]["reread"] > 0
     assert catalog_rows(forced_cat) == catalog_rows(two_cat)
 
@@ -167,6 +170,13 @@ def test_a_new_expert_beside_indexed_ones_is_indexed_by_the_merge(family, tmp_pa
     indexed_two = plan.planned_bytes[0] + plan.planned_bytes[1]
     assert got["bytes"]["expert"] + got["bytes"]["index"] == indexed_two + third
     assert catalog_rows(cat) == catalog_rows(ref)
+    # a first merge's groups share the budget less the part left to the statistics
+    budget = 1 << 30
+    plain = memory.plan_memory(plan, saved.load(want["plan_dir"])[1], budget, 2)
+    shared = memory.plan_memory(plan, saved.load(want["plan_dir"])[1], budget, 2, indexing=True)
+    usable = budget - int(budget * memory.INDEXING_SHARE)
+    assert shared.per_group == (usable - memory.PROCESS_BYTES) // shared.workers < plain.per_group
+    assert shared.budget == plain.budget == budget and got["memory"]["memory_budget"] == want["memory"]["memory_budget"]
     # its manifest replays like any other, on a catalog that has never seen the family
     again = replay(manifest=got["manifest"], out=str(tmp_path / "again"), catalog=str(tmp_path / "fresh.duckdb"))
     assert again["digest"] == got["digest"]

@@ -22,6 +22,9 @@ from mergepipe.storage.safetensors_format import DTYPES
 WHOLE_BASE_BYTES = 64 << 20
 # The interpreter, torch, DuckDB, Arrow and their pools, before any tensor is held.
 PROCESS_BYTES = 768 << 20
+# The part of the budget a merge that indexes on the way (index.tap) leaves to the statistics:
+# measured beside the layer groups, not counted per element (docs/benchmarks.md, first merges).
+INDEXING_SHARE = 0.125
 # The smallest run of elements a streamed tensor is merged in: below it, per-run overheads
 # (a read per expert, a write) dominate.
 MIN_SLAB_ELEMENTS = 1 << 16
@@ -135,17 +138,21 @@ def element_runs(n_rows: int, width: int, slab: int) -> list[tuple[int, int]]:
     return [(r * width + c, r * width + min(width, c + slab)) for r in range(n_rows) for c in range(0, width, slab)]
 
 
-def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, given: bool = True) -> MemoryPlan:
+def plan_memory(
+    plan: Plan, layout: OutputLayout, budget: int, workers: int, given: bool = True, indexing: bool = False
+) -> MemoryPlan:
     """The most groups at once (up to `workers`) whose merges fit the budget together. Where
     even one group cannot fit: BadInput naming the tensor when the budget was given (--memory,
     the config, a deployment parameter), a warning when it is the default (the prediction is
-    an estimate, and a merge that fits today is not refused on it)."""
+    an estimate, and a merge that fits today is not refused on it). With `indexing` (a first
+    merge that indexes on the way) the groups share the budget less INDEXING_SHARE of it."""
+    usable = budget - int(budget * INDEXING_SHARE) if indexing else budget
     needs = tensor_needs(plan, layout)
     if not needs:
         return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None)
     hardest = max(needs, key=lambda n: n.least)
     warning = None
-    if PROCESS_BYTES + hardest.least > budget:
+    if PROCESS_BYTES + hardest.least > usable:
         how = "in windows of rows" if hardest.streams else f"whole ({plan.merge_method} holds the whole tensor)"
         problem = (
             f"memory budget {_gib(budget)} is too small: tensor {hardest.name!r} merged {how} needs "
@@ -156,7 +163,7 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, giv
         warning = f"{problem} (the default budget, half of this machine's memory; the merge goes ahead)"
     workers = max(1, min(workers, len(layout.groups)))
     while True:
-        per_group = (budget - PROCESS_BYTES) // workers
+        per_group = (usable - PROCESS_BYTES) // workers
         if workers == 1 or all(n.streams or n.whole <= per_group for n in needs):
             break
         workers -= 1
@@ -166,7 +173,8 @@ def plan_memory(plan: Plan, layout: OutputLayout, budget: int, workers: int, giv
     peaks = sorted(by_group.values(), reverse=True)[:workers]
     largest = max(needs, key=lambda n: held(n, per_group))
     reread = sum(reread_bytes(n, per_group) for n in needs)
-    return MemoryPlan(budget, workers, max(0, per_group), PROCESS_BYTES + sum(peaks), largest, warning, reread)
+    peak = PROCESS_BYTES + sum(peaks) + budget - usable
+    return MemoryPlan(budget, workers, max(0, per_group), peak, largest, warning, reread)
 
 
 def _gib(n: int, up: bool = False) -> str:

@@ -280,7 +280,9 @@ def execute_plan(ex: Execution) -> dict:
     experts indexed on the way) so realized bytes compare one to one with planned bytes."""
     plan, request, out = ex.plan, ex.request, ex.request.out
     # Refused before anything is staged or read when even one group at a time cannot fit.
-    memory = plan_memory(plan, saved.load(ex.plan_dir)[1], request.memory, worker_count(), request.memory_given)
+    memory = plan_memory(
+        plan, saved.load(ex.plan_dir)[1], request.memory, worker_count(), request.memory_given, ex.first is not None
+    )
     if memory.warning:
         log.warning(memory.warning)
     staging = run_task(stage_output, ex.plan_dir, out)

@@ -113,11 +113,18 @@ def merge(
         p, plan_dir = run_task(
             plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
         )
-        mem = plan_memory(p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given)
-        if mem.reread_max == 0:
+        try:
+            mem = plan_memory(
+                p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given, indexing=True
+            )
+        except BadInput:  # too small for the statistics beside the merge: the two passes may fit
+            mem = None
+        if mem is not None and mem.reread_max == 0:
             first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
-        else:  # tensors merged in passes over windows would be read again: index them first
+        else:  # tensors merged in passes over windows would be read again (or it cannot fit): index first
+            headers = outcome.ledger
             outcome = run_index(request.spec, request.catalog)
+            outcome.ledger.merge(headers.rows())  # the headers were read twice
             t_plan = time.perf_counter()
     if first is None:
         p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
