@@ -276,8 +276,9 @@ def _count_as_index(part: dict, executed: Plan, ledger: ByteLedger) -> int:
 def execute_plan(ex: Execution) -> dict:
     """Stage, merge every layer group, hash, write the manifest, publish, record the run.
 
-    The execution ledger is kept apart from the index ledger (headers, and statistics of
-    experts indexed on the way) so realized bytes compare one to one with planned bytes."""
+    The execution ledger is kept apart from the index ledger (headers, and an index pass run
+    before it) so realized bytes compare one to one with planned bytes; a first merge's reads
+    for the index alone count as `index` in the execution ledger."""
     plan, request, out = ex.plan, ex.request, ex.request.out
     # Refused before anything is staged or read when even one group at a time cannot fit.
     memory = plan_memory(
