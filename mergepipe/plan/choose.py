@@ -54,6 +54,20 @@ def empty_plan_problem(spec: MergeSpec, budget_bytes: int, smallest: int | None,
     )
 
 
+def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: list[list[float]]) -> int:
+    """planner.rank_candidates with each tensor's coefficients (per_set: each parameter set's)."""
+    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
+    return planner.rank_candidates(
+        con,
+        family.base_fp,
+        spec.block_size_bytes,
+        family.expert_fps(),
+        coefficients,
+        skip_zero=op.zero_coefficient_unused,
+        rank_by=spec.rank_by,
+    )
+
+
 def choose_plan(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, *, refuse_empty: bool = True
 ) -> tuple[Plan, list[dict], list[str]]:
@@ -63,19 +77,10 @@ def choose_plan(
     op = get_operator(spec.merge_method)
     table = resolve_tensor_params(spec, family.base.tensors)
     per_set = [op.coefficients(p) for p in table.sets]
-    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
     with db.connect(catalog) as con:
-        n = planner.rank_candidates(
-            con,
-            family.base_fp,
-            spec.block_size_bytes,
-            expert_fps,
-            coefficients,
-            skip_zero=op.zero_coefficient_unused,
-            rank_by=spec.rank_by,
-        )
+        n = _rank_candidates(con, spec, family, op, table, per_set)
         if spec.max_error is not None:
             budget_bytes = planner.select_within_error(con, spec.max_error, n)
         else:
@@ -146,7 +151,8 @@ def reads_every_block(spec: MergeSpec, family: Family) -> bool:
     """Whether this spec's plan reads every block whose delta is not zero, whatever the
     statistics: a byte budget of every expert byte, and no coefficient that leaves a pair
     unread. Then a family not yet indexed can be indexed by its first merge (full_read_plan)."""
-    if spec.max_error is not None or spec.io_budget.resolve(full_expert_bytes(family)) < full_expert_bytes(family):
+    full = full_expert_bytes(family)
+    if spec.max_error is not None or spec.io_budget.resolve(full) < full:
         return False
     op = get_operator(spec.merge_method)
     if not op.zero_coefficient_unused:
@@ -166,20 +172,10 @@ def full_read_plan(
     Content digests not known yet (theirs, the base's) are named by fingerprint."""
     op = get_operator(spec.merge_method)
     table = resolve_tensor_params(spec, family.base.tensors)
-    per_set = [op.coefficients(p) for p in table.sets]
-    coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
     with db.connect(catalog) as con:
-        planner.rank_candidates(
-            con,
-            family.base_fp,
-            spec.block_size_bytes,
-            expert_fps,
-            coefficients,
-            skip_zero=op.zero_coefficient_unused,
-            rank_by=spec.rank_by,
-        )
+        _rank_candidates(con, spec, family, op, table, [op.coefficients(p) for p in table.sets])
         planner.select_within_bytes(con, full)
         known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     new = {fp for i, fp in enumerate(expert_fps) if i in unindexed}
@@ -194,7 +190,7 @@ def full_read_plan(
                 continue
             row_bytes = row_elems(info.shape) * DTYPES[family.experts[i].tensors[name].info.dtype].itemsize
             for b, (r0, r1) in enumerate(blocks):
-                if r1 > r0 and row_bytes:
+                if r1 > r0:
                     for col, value in zip(ACCESS_SCHEMA.names, (i, name, b, r0, r1, (r1 - r0) * row_bytes)):
                         cols[col].append(value)
     access = pa.concat_tables([known, pa.table(cols, schema=ACCESS_SCHEMA)])
