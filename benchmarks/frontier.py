@@ -115,7 +115,8 @@ def main() -> None:
             results["runs"].append(row)
             print(
                 f"{method} {budget}: {m.seconds:.1f} s (I/O limit {limit['seconds']:.1f} s, "
-                f"{m.seconds / limit['seconds']:.2f}×), anon {m.peak_anon / 2**30:.2f} GiB, "
+                f"{m.seconds / limit['seconds']:.2f}×; with O_DIRECT reads {limit['direct_seconds']:.1f} s, "
+                f"{m.seconds / limit['direct_seconds']:.2f}×), anon {m.peak_anon / 2**30:.2f} GiB, "
                 f"rss {m.peak_rss / 2**30:.2f} GiB, predicted {r['memory']['predicted_peak'] / 2**30:.2f} GiB, "
                 f"{r['memory']['workers']} group(s) at once, {r['bytes'].get('reread', 0) / 1e9:.2f} GB read again",
                 flush=True,
@@ -140,15 +141,17 @@ def render(results: dict) -> str:
         i = results["index"]
         lines += [f"- index: {i['seconds']:.1f} s, peak anonymous {i['peak_anon'] / gib:.2f} GiB", ""]
     lines += [
-        "| operator | budget | --memory | wall s | I/O limit s | × limit | peak anon GiB | peak RSS GiB | "
-        "predicted GiB | groups at once | expert GB read | GB read again |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| operator | budget | --memory | wall s | I/O limit s | × limit | direct I/O limit s | × direct | "
+        "peak anon GiB | peak RSS GiB | predicted GiB | groups at once | expert GB read | GB read again |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results["runs"]:
         lim = r["io_limit"]["seconds"]
+        direct = r["io_limit"].get("direct_seconds")
+        direct_cells = f"{direct:.1f} | {r['seconds'] / direct:.2f}" if direct else "| "
         lines.append(
             f"| {r['method']}{' (first merge)' if r.get('first_merge') else ''} | {r['budget']} | {r.get('memory', '8GiB')} | {r['seconds']:.1f} | {lim:.1f} | "
-            f"{r['seconds'] / lim:.2f} | {r['peak_anon'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | "
+            f"{r['seconds'] / lim:.2f} | {direct_cells} | {r['peak_anon'] / gib:.2f} | {r['peak_rss'] / gib:.2f} | "
             f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} | "
             f"{r.get('reread_bytes', 0) / 1e9:.2f} |"
         )

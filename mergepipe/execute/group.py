@@ -52,6 +52,11 @@ PREFETCH_TENSORS = 2
 BATCH_TENSOR_ELEMENTS = 1 << 18
 BATCH_ELEMENTS = 1 << 22
 
+# Elements an elementwise merge takes through the operator at once: its fp32 temporaries stay in
+# the CPU's cache (each whole-run operation would stream the run through memory), and are reused
+# rather than mapped afresh for each run. The same element operations, so the same bytes.
+ELEMENT_STEP = 1 << 16
+
 # A base tensor up to WHOLE_BASE_BYTES in fp32 is widened once for its merge. A larger one (an
 # embedding) stays as stored when the operator has a slab form (merge_into): each slab is
 # widened in each pass instead, which cost no time and saves the fp32 copy and the output's.
@@ -551,13 +556,24 @@ class GroupMerger:
     def _merge_elements(
         self, name: str, stored: torch.Tensor, rows: dict[int, ExpertRows], params, plain: bool
     ) -> memoryview:
-        """The merged bytes of some base rows (stored) and the experts' rows read within them."""
-        experts = LazyExperts(
-            self._to_compute(stored), rows.get, len(self.plan.inputs) - 1, self._to_compute, stored, widens=plain
-        )
-        ctx = TensorContext(name, ((0, stored.shape[0]),), self.seed, base_reusable=True)
+        """The merged bytes of some base rows (stored) and the experts' rows read within them,
+        a step of rows at a time (ELEMENT_STEP elements), each step's result written over its
+        own base rows when the output has the base's dtype (they are not read again)."""
         out_dtype = DTYPES[self.layout.tensors[name].dtype].torch
-        return encode(self.op.merge(experts.base, experts, params, ctx).to(out_dtype))
+        n, width = stored.shape
+        out = stored if stored.dtype == out_dtype else torch.empty((n, width), dtype=out_dtype)
+        step = max(1, ELEMENT_STEP // max(1, width))
+        steps = {k: _RowSteps(r) for k, r in rows.items()}
+        for c0 in range(0, n, step):
+            c1 = min(n, c0 + step)
+            within = {k: part for k, s in steps.items() if (part := s.within(c0, c1))}
+            base = stored[c0:c1]
+            experts = LazyExperts(
+                self._to_compute(base), within.get, len(self.plan.inputs) - 1, self._to_compute, base, widens=plain
+            )
+            ctx = TensorContext(name, ((0, c1 - c0),), self.seed, base_reusable=True)
+            out[c0:c1] = self.op.merge(experts.base, experts, params, ctx)
+        return encode(out)
 
     def _expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
         """Adjacent planned blocks were coalesced into runs of rows: one range per run."""
@@ -576,6 +592,26 @@ class GroupMerger:
 
     def _to_compute(self, t: torch.Tensor) -> torch.Tensor:
         return _compute(t, self.compute_dtype)
+
+
+class _RowSteps:
+    """An expert's planned rows (in order, as ExpertRows), cut to consecutive steps of rows."""
+
+    def __init__(self, rows: ExpertRows) -> None:
+        self.rows, self.at = rows, 0
+
+    def within(self, c0: int, c1: int) -> ExpertRows:
+        """The parts of the rows inside [c0, c1), counted from c0; steps must come in order."""
+        rows = self.rows
+        while self.at < len(rows) and rows[self.at][0][1] <= c0:
+            self.at += 1
+        part, i = [], self.at
+        while i < len(rows) and rows[i][0][0] < c1:
+            (a, b), values = rows[i]
+            lo, hi = max(a, c0), min(b, c1)
+            part.append(((lo - c0, hi - c0), values[lo - a : hi - a]))
+            i += 1
+        return part
 
 
 def _adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

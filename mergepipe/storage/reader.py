@@ -3,12 +3,15 @@
 Local files are read with os.preadv into preallocated buffers after
 posix_fadvise(POSIX_FADV_RANDOM): mmap page faults and sequential read() calls let the kernel's
 read-ahead pull in megabytes nobody planned. Reading ahead is asked for
-explicitly instead (prefetch: POSIX_FADV_WILLNEED on exactly the planned ranges). Remote objects are read
-with one ranged GET per range (storage.remote); both count into the same ledger.
+explicitly instead (prefetch: POSIX_FADV_WILLNEED on exactly the planned ranges). Ranges of a
+megabyte or more bypass the page cache (O_DIRECT, rounded out to pages: DIRECT_MIN_BYTES).
+Remote objects are read with one ranged GET per range (storage.remote); all count into the same
+ledger, which counts the bytes asked for.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from collections import defaultdict
@@ -76,6 +79,7 @@ class RangeReader:
     def __init__(self, ledger: ByteLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else ByteLedger()
         self._fds: dict[str, int] = {}
+        self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
 
     def _fd(self, path: str) -> int:
@@ -90,6 +94,20 @@ class RangeReader:
                     raise MergepipeError(f"{path}: cannot open ({err.strerror or err})") from err
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 self._fds[path] = fd
+            return fd
+
+    def _direct_fd(self, path: str) -> int | None:
+        """The file opened with O_DIRECT, or None where its file system refuses that."""
+        with self._lock:
+            if path in self._direct_fds:
+                return self._direct_fds[path]
+            fd = None
+            if O_DIRECT:
+                try:
+                    fd = os.open(path, os.O_RDONLY | O_DIRECT)
+                except OSError:
+                    pass  # no O_DIRECT on this file system (EINVAL); the buffered fd reports real errors
+            self._direct_fds[path] = fd
             return fd
 
     def read(self, path: str, start: int, end: int, *, role: str, model: str, file: str) -> bytearray:
@@ -134,40 +152,83 @@ class RangeReader:
             try:
                 fd = self._fd(req.path)
                 for start, end in req.ranges:
-                    if end > start:
+                    if end > start and not direct_applies(start, end):
                         os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
             except (MergepipeError, OSError):
                 return
 
-    def _pread_all(self, path: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
+    def _pread_all(self, path: str, ranges: list[tuple[int, int]]) -> list[bytearray | memoryview]:
         fd = self._fd(path)
-        out = []
+        out: list[bytearray | memoryview] = []
         for start, end in ranges:
+            if direct_applies(start, end):
+                dfd = self._direct_fd(path)
+                if dfd is not None:
+                    out.append(_read_direct(path, dfd, start, end))
+                    continue
             buf = bytearray(end - start)
-            view = memoryview(buf)
-            got = 0
-            while got < len(buf):
-                try:
-                    n = os.preadv(fd, [view[got:]], start + got)
-                except OSError as err:
-                    raise MergepipeError(f"{path}: read error at byte {start + got} ({err.strerror or err})") from err
-                if n == 0:
-                    raise MergepipeError(
-                        f"{path}: short read at byte {start + got} (wanted {end - start} bytes from {start}); "
-                        "the file changed or was truncated"
-                    )
-                got += n
+            _read_into(path, fd, memoryview(buf), start, end - start)
             out.append(buf)
         return out
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
+            for fd in [*self._fds.values(), *self._direct_fds.values()]:
+                if fd is not None:
+                    os.close(fd)
             self._fds.clear()
+            self._direct_fds.clear()
 
     def __enter__(self) -> "RangeReader":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Ranges at least this long are read with O_DIRECT: the device writes them straight into the
+# buffer. Through the page cache, a large read costs the kernel far more CPU than the copy (each
+# page allocated, filled, mapped and later reclaimed), and with POSIX_FADV_RANDOM it is also read
+# a few pages at a time. Shorter ranges keep the page cache, and what it already holds.
+DIRECT_MIN_BYTES = 1 << 20
+O_DIRECT = getattr(os, "O_DIRECT", 0)  # Linux and the BSDs; elsewhere every read goes through the cache
+# O_DIRECT wants the buffer, the offset and the length aligned to the device's logical block;
+# a page covers every device here. The range is read rounded out to pages and returned as a view.
+DIRECT_ALIGN = mmap.PAGESIZE
+# The view of a range starts where the range lies in its first page; a range whose start is not
+# 8-aligned (safetensors aligns its data so) is read through the page cache, so every tensor view is aligned.
+VIEW_ALIGN = 8
+
+
+def direct_applies(start: int, end: int) -> bool:
+    return end - start >= DIRECT_MIN_BYTES and start % VIEW_ALIGN == 0
+
+
+def _read_direct(path: str, fd: int, start: int, end: int) -> memoryview:
+    """Bytes [start, end) read with O_DIRECT: the pages around them into an anonymous mapping
+    (page-aligned), returned as a writable view of just the range."""
+    a0 = start - start % DIRECT_ALIGN
+    a1 = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+    buf = mmap.mmap(-1, a1 - a0, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)  # a fault per 2 MiB, not per 4 KiB page
+    view = memoryview(buf)
+    _read_into(path, fd, view, a0, end - a0)
+    return view[start - a0 : end - a0]
+
+
+def _read_into(path: str, fd: int, view: memoryview, start: int, need: int) -> None:
+    """Fill view from byte `start` of the file until at least `need` bytes are in (the view may
+    be longer: an O_DIRECT read rounded out, which ends short at the end of the file)."""
+    got = 0
+    while got < need:
+        try:
+            n = os.preadv(fd, [view[got:]], start + got)
+        except OSError as err:
+            raise MergepipeError(f"{path}: read error at byte {start + got} ({err.strerror or err})") from err
+        if n == 0:
+            raise MergepipeError(
+                f"{path}: short read at byte {start + got} (wanted {need} bytes from {start}); "
+                "the file changed or was truncated"
+            )
+        got += n
