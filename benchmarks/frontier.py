@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import measure  # noqa: E402
+from frontier_family import write_model_config  # noqa: E402
 
 MERGEPIPE = str(Path(sys.executable).parent / "mergepipe")
 
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--cases", default="task_arithmetic:100%,task_arithmetic:10%,ties:100%,ties:10%")
     ap.add_argument("--scratch", type=Path, default=None, help="outputs and catalog (default: beside --data)")
     ap.add_argument("--first-merge", action="store_true", help="no index pass: each merge on an empty catalog")
+    ap.add_argument("--mergekit", type=Path, default=None, help="mergekit-yaml to run on each case's config too")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="frontier-", dir=args.scratch or args.data.parent))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
@@ -112,6 +114,10 @@ def main() -> None:
                 "io_limit": limit,
                 "started": t0,
             }
+            if args.mergekit is not None:
+                row["mergekit"] = run_mergekit(args.mergekit, cfg, args.data, files, scratch, env)
+                mk = row["mergekit"]
+                print(f"  mergekit {method}: {mk['seconds']:.1f} s, anon {mk['peak_anon'] / 2**30:.2f} GiB", flush=True)
             results["runs"].append(row)
             print(
                 f"{method} {budget}: {m.seconds:.1f} s (I/O limit {limit['seconds']:.1f} s, "
@@ -126,6 +132,21 @@ def main() -> None:
             (args.results / "results.md").write_text(render(results))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def run_mergekit(exe: Path, cfg: Path, data: Path, files: list[Path], scratch: Path, env: dict) -> dict:
+    """mergekit 0.1.5 on the same config, cold, its memory sampled like mergepipe's. Its full
+    budget reads every expert byte whatever the case's budget."""
+    for folder in [data / "base", *sorted(data.glob("expert-*"))]:
+        write_model_config(folder, json.loads((data / "family.json").read_text())["shapes"])
+    out = scratch / "mergekit-out"
+    measure.evict(files)
+    m = measure.run_sampled(
+        [exe, cfg, out, "--no-copy-tokenizer", "--no-write-model-card"],
+        dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    return {"seconds": m.seconds, "peak_anon": m.peak_anon, "peak_rss": m.peak_rss}
 
 
 def render(results: dict) -> str:
@@ -155,6 +176,13 @@ def render(results: dict) -> str:
             f"{r['predicted_peak'] / gib:.2f} | {r['workers']} | {r['expert_bytes_read'] / 1e9:.2f} | "
             f"{r.get('reread_bytes', 0) / 1e9:.2f} |"
         )
+    for r in results["runs"]:
+        if "mergekit" in r:
+            mk = r["mergekit"]
+            lines.append(
+                f"\nmergekit 0.1.5, {r['method']} (the same config, cold): {mk['seconds']:.1f} s, "
+                f"peak anon {mk['peak_anon'] / gib:.2f} GiB, peak RSS {mk['peak_rss'] / gib:.2f} GiB"
+            )
     return "\n".join(lines) + "\n"
 
 

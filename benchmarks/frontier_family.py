@@ -101,10 +101,27 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]], expert: i
                 t = _base_chunk(name, rows, shape) if expert is None else _expert_chunk(name, rows, shape, expert)
                 f.write(t.contiguous().view(torch.int16).numpy().tobytes())
     tmp.rename(folder / "model.safetensors")
-    (folder / "config.json").write_text(
-        json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"})
-    )
+    write_model_config(folder, shapes)
     return 8 + len(raw) + offset
+
+
+def write_model_config(folder: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+    """A Llama config.json that matches the tensors: mergekit reads the layer count and sizes
+    from it to find every tensor it merges."""
+    vocab, hidden = shapes["model.embed_tokens.weight"]
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "num_hidden_layers": sum(1 for n in shapes if n.endswith("mlp.down_proj.weight")),
+        "hidden_size": hidden,
+        "intermediate_size": INTERMEDIATE,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": vocab,
+        "tie_word_embeddings": False,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
 
 
 def main() -> None:
