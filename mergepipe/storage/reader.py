@@ -23,6 +23,10 @@ from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, protocol
 
+# What a read returns: a writable buffer of exactly the bytes asked for (a view, for a range read
+# with O_DIRECT).
+Buffer = bytearray | memoryview
+
 
 @dataclass(frozen=True)
 class ReadRequest:
@@ -110,21 +114,19 @@ class RangeReader:
             self._direct_fds[path] = fd
             return fd
 
-    def read(self, path: str, start: int, end: int, *, role: str, model: str, file: str) -> bytearray:
+    def read(self, path: str, start: int, end: int, *, role: str, model: str, file: str) -> Buffer:
         return self.read_many(path, [(start, end)], role=role, model=model, file=file)[0]
 
-    def read_many(
-        self, path: str, ranges: list[tuple[int, int]], *, role: str, model: str, file: str
-    ) -> list[bytearray]:
+    def read_many(self, path: str, ranges: list[tuple[int, int]], *, role: str, model: str, file: str) -> list[Buffer]:
         return self.read_batch([ReadRequest(path, ranges, role, model, file)])[0]
 
-    def read_batch(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
+    def read_batch(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
         """Every request's ranges; remote ones are fetched together, concurrently."""
         by_protocol: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
         for k, req in enumerate(requests):
             if is_remote(req.path):
                 by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
-        fetched: dict[int, list[bytearray]] = defaultdict(list)
+        fetched: dict[int, list[Buffer]] = defaultdict(list)
         for items in by_protocol.values():
             for (k, *_), data in zip(items, remote.fetch([(p, s, e) for _, p, s, e in items])):
                 fetched[k].append(data)
@@ -157,9 +159,9 @@ class RangeReader:
             except (MergepipeError, OSError):
                 return
 
-    def _pread_all(self, path: str, ranges: list[tuple[int, int]]) -> list[bytearray | memoryview]:
+    def _pread_all(self, path: str, ranges: list[tuple[int, int]]) -> list[Buffer]:
         fd = self._fd(path)
-        out: list[bytearray | memoryview] = []
+        out: list[Buffer] = []
         for start, end in ranges:
             if direct_applies(start, end):
                 dfd = self._direct_fd(path)
