@@ -35,7 +35,7 @@ def data(tmp_path) -> tuple[Path, bytes]:
 
 
 class DirectSpy:
-    """Counts the ranges read with O_DIRECT and the bytes each such read syscall returned."""
+    """Records the ranges the reader reads with O_DIRECT."""
 
     def __init__(self, monkeypatch) -> None:
         self.ranges: list[tuple[int, int]] = []
