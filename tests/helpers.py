@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
 from pathlib import Path
 
 import torch
@@ -87,3 +89,24 @@ def catalog_problems(path: Path) -> list[str]:
         return [f"{what}: {rows[:3]}" for what, q in CATALOG_INVARIANTS.items() if (rows := con.execute(q).fetchall())]
     finally:
         con.close()
+
+
+def evict(path: Path) -> None:
+    """Drop the file's pages from the page cache (flushed first)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path: Path) -> int:
+    """Bytes of the file in the page cache (fincore)."""
+    out = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    return int(out[0])

@@ -9,7 +9,6 @@ import errno
 import fcntl
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from mergepipe.plan import saved
 from mergepipe.storage import reader as reader_module
 from mergepipe.storage.reader import RangeReader, ReadRequest
 
-from .helpers import config_for
+from .helpers import config_for, evict, resident_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -108,33 +107,20 @@ def test_a_truncated_file_is_a_clear_error_on_the_direct_path(data, monkeypatch)
         r.read(str(path), 39 * PAGE, 42 * PAGE, role="expert", model="expert-0", file="data.bin")
 
 
-def _resident_bytes(path: Path) -> int:
-    out = subprocess.run(
-        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    return int(out[0])
-
-
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="fincore (util-linux) is not installed")
 def test_ranges_read_directly_are_not_prefetched_into_the_page_cache(data, monkeypatch):
     """Asking the kernel to read them ahead would read them twice: once into the page cache,
     once into the buffer."""
     path, _ = data
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-    if _resident_bytes(path):
+    evict(path)
+    if resident_bytes(path):
         pytest.skip("this filesystem does not evict pages on request (tmpfs?)")
     monkeypatch.setattr(reader_module, "DIRECT_MIN_BYTES", 4 * PAGE)
     with RangeReader() as r:
         r.prefetch([ReadRequest(str(path), [(0, 8 * PAGE)], "expert", "expert-0", "data.bin")])
         got = r.read(str(path), 0, 8 * PAGE, role="expert", model="expert-0", file="data.bin")
     assert len(got) == 8 * PAGE
-    assert _resident_bytes(path) == 0
+    assert resident_bytes(path) == 0
 
 
 @pytest.mark.parametrize("method", ["task_arithmetic", "linear"])

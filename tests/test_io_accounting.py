@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import pytest
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 
-from .helpers import config_for
+from .helpers import config_for, evict, resident_bytes
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -62,25 +61,6 @@ def test_realized_bytes_equal_planned_by_ledger_and_syscalls(
         assert r["expert_bytes_planned"] < 0.5 * r["full_expert_bytes"]
 
 
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def _resident_bytes(path: Path) -> int:
-    out = subprocess.run(
-        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", str(path)],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout.split()
-    return int(out[0])
-
-
 @pytest.mark.skipif(shutil.which("fincore") is None, reason="fincore (util-linux) is not installed")
 def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
     """Pages of the expert files resident after a cold merge: the planned bytes, rounded out to
@@ -94,13 +74,13 @@ def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
     index_family(config=str(cfg), catalog=session_catalog)
     files = expert_files(fam)
     for f in files:
-        _evict(f)
-    if any(_resident_bytes(f) for f in files):
+        evict(f)
+    if any(resident_bytes(f) for f in files):
         pytest.skip("this filesystem does not evict pages on request (tmpfs?)")
     r = merge(config=str(cfg), out=str(tmp_path / "out"), budget="10%", catalog=session_catalog)
     access = pq.read_table(tmp_path / "out" / "mergepipe-access.parquet")
     n_reads_bound = access.num_rows  # coalesced reads are at most one per planned block
-    resident = sum(_resident_bytes(f) for f in files)
+    resident = sum(resident_bytes(f) for f in files)
     size = sum(f.stat().st_size for f in files)
     allowance = len(files) * PAGE + 2 * PAGE * n_reads_bound  # header page + partial pages at each end
     assert r["expert_bytes_planned"] <= resident <= r["expert_bytes_planned"] + allowance
@@ -117,17 +97,17 @@ def test_prefetch_reads_exactly_the_asked_pages(tmp_path):
 
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(256 * PAGE))
-    _evict(path)
-    if _resident_bytes(path):
+    evict(path)
+    if resident_bytes(path):
         pytest.skip("this filesystem does not evict pages on request (tmpfs?)")
     ranges = [(10 * PAGE + 100, 14 * PAGE), (100 * PAGE, 100 * PAGE + 1)]  # pages 10-13, then 100
     with RangeReader() as reader:
         reader.prefetch([ReadRequest(str(path), ranges, "expert", "expert-0", "data.bin")])
         assert reader.ledger.rows() == []
     deadline = time.monotonic() + 10
-    while _resident_bytes(path) < 5 * PAGE and time.monotonic() < deadline:
+    while resident_bytes(path) < 5 * PAGE and time.monotonic() < deadline:
         time.sleep(0.05)  # the kernel reads them in the background
-    assert _resident_bytes(path) == 5 * PAGE
+    assert resident_bytes(path) == 5 * PAGE
 
 
 def test_progress_reports_layer_groups_and_bytes_read(bf16_family, tmp_path, session_catalog):
