@@ -101,7 +101,6 @@ def write_checkpoint(folder: Path, shapes: dict[str, tuple[int, ...]], expert: i
                 t = _base_chunk(name, rows, shape) if expert is None else _expert_chunk(name, rows, shape, expert)
                 f.write(t.contiguous().view(torch.int16).numpy().tobytes())
     tmp.rename(folder / "model.safetensors")
-    write_model_config(folder, shapes)
     return 8 + len(raw) + offset
 
 
@@ -139,6 +138,7 @@ def main() -> None:
         folder = args.out / label
         if not (folder / "model.safetensors").exists():
             sizes[label] = write_checkpoint(folder, shapes, expert)
+            write_model_config(folder, shapes)
             print(f"{label}: {sizes[label] / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     (args.out / "family.json").write_text(
         json.dumps({"experts": args.experts, "layer": not args.no_layer, "shapes": shapes}, indent=1)

@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 # kills after the output is visible but before the run is recorded.
 POINTS = [
     ("header-read", "mergepipe.storage.model_files:header_length:3", "index"),
-    ("statistics", "mergepipe.index.stats:delta_stats:25", "index"),
+    ("statistics", "mergepipe.index.stats:delta_strip:6", "index"),
     ("before-ingestion", "mergepipe.catalog.ingest:ingest_stats:1", "index"),
     ("inside-ingestion", "mergepipe.catalog.ingest:_insert_models:1:after", "index"),
     ("after-ingestion", "mergepipe.catalog.ingest:ingest_stats:1:after", "index"),

@@ -275,12 +275,85 @@ def test_small_tensors_read_in_batches_give_the_same_statistics(bf16_family, mon
         family = load_family(str(bf16_family.base), [str(e) for e in bf16_family.experts], reader)
         models = [("base", "base", family.base)] + [(f"e{i}", "expert", m) for i, m in enumerate(family.experts)]
         runs = list(stats._block_runs(family, models, 4096))
-        assert len(list(real(runs, limit * stats.READ_CHUNK))) < len(runs) == len(list(real(runs, 0)))
+        assert len(list(real(runs, models, limit * stats.READ_CHUNK))) < len(runs) == len(list(real(runs, models, 0)))
 
         def measure(batch_limit):
-            monkeypatch.setattr(stats, "_batches", lambda runs: real(runs, batch_limit))
+            monkeypatch.setattr(stats, "_batches", lambda runs, models: real(runs, models, batch_limit))
             return stats.compute_stats(family, [0, 1, 2], 4096, reader)
 
         one_by_one, batched = measure(0), measure(limit * stats.READ_CHUNK)
     assert batched.stats.equals(one_by_one.stats) and batched.blocks.equals(one_by_one.blocks)
     assert batched.content == one_by_one.content
+
+
+def _strip_family(root) -> FamilyPaths:
+    """Many small tensors, one tensor of several equal blocks and a shorter last one, an expert
+    storing some tensors in fp32, NaN and Inf deltas, signed zeros, and an int buffer."""
+    from mergepipe.devtools.synthetic import write_model
+
+    g = torch.Generator().manual_seed(5)
+    base = {f"model.layers.0.experts.{e}.w": torch.randn(4, 8, generator=g).bfloat16() for e in range(40)}
+    base["model.layers.1.big.weight"] = torch.randn(37, 64, generator=g).bfloat16()
+    base["model.layers.1.zeros"] = torch.zeros(16, 8, dtype=torch.bfloat16)
+    base["model.layers.1.position_ids"] = torch.arange(24, dtype=torch.int64)
+    base["model.norm.weight"] = torch.ones(64, dtype=torch.bfloat16)
+    experts = []
+    for k in range(2):
+        x = {
+            n: t + 0.01 * torch.randn(t.shape, generator=g).to(t.dtype) if t.is_floating_point() else t.clone()
+            for n, t in base.items()
+        }
+        x["model.layers.1.zeros"] = torch.zeros(16, 8, dtype=torch.bfloat16).neg()  # bits differ, values do not
+        if k == 1:
+            for e in range(0, 40, 3):  # stored in another dtype, every third small tensor
+                x[f"model.layers.0.experts.{e}.w"] = x[f"model.layers.0.experts.{e}.w"].float()
+            x["model.layers.0.experts.7.w"][1, 2] = float("nan")
+            x["model.layers.1.big.weight"][20, 5] = float("inf")
+        experts.append(write_model(root / f"expert-{k}", x, shards=1, sidecars=False))
+    return FamilyPaths(write_model(root / "base", base, shards=1, sidecars=False), experts)
+
+
+def test_blocks_measured_in_strips_equal_each_block_on_its_own(tmp_path, monkeypatch):
+    """Equal blocks one after another are measured as one array per strip: every row (exactly:
+    fp64 sums along a row are pairwise, as over one block) is what measuring each block alone
+    gives, and what a plain per-block computation gives, across dtypes, NaN, Inf and signed zeros."""
+    import math
+
+    from mergepipe.index import stats
+    from mergepipe.index.family import load_family
+    from mergepipe.storage.ledger import ByteLedger
+    from mergepipe.storage.reader import RangeReader
+
+    fam = _strip_family(tmp_path / "fam")
+    with RangeReader(ByteLedger()) as reader:
+        family = load_family(str(fam.base), [str(e) for e in fam.experts], reader)
+        strips = stats.compute_stats(family, [0, 1], 512, reader)
+        monkeypatch.setattr(stats, "STRIP_ELEMENTS", 0)
+        assert stats.strips([(0, 2), (2, 4)], ["BF16", "BF16"]) == [(0, 1), (1, 2)]
+        alone = stats.compute_stats(family, [0, 1], 512, reader)
+    assert strips.stats.equals(alone.stats) and strips.blocks.equals(alone.blocks)
+    assert strips.content == alone.content
+    base = load_model(fam.base)
+    experts = {fp: load_model(e) for fp, e in zip(family.expert_fps(), fam.experts)}
+    layout = {(r["tensor"], r["block"]): r for r in strips.blocks.to_pylist()}
+    assert strips.stats.num_rows == 2 * len(layout) and "model.layers.1.position_ids" not in {t for t, _ in layout}
+    assert len([1 for t, _ in layout if t == "model.layers.1.big.weight"]) == 10  # 4 rows a block, then 1
+    for row in strips.stats.to_pylist():
+        r = layout[(row["tensor"], row["block"])]
+        x = experts[row["expert_fp"]][row["tensor"]][r["row_start"] : r["row_end"]]
+        b = base[row["tensor"]][r["row_start"] : r["row_end"]]
+        d = x.double().numpy().ravel() - b.double().numpy().ravel()
+        want_sq, want_max = float(np.square(d).sum()), float(np.abs(d).max())
+        if x.dtype == b.dtype:
+            bits = {2: torch.int16, 4: torch.int32}[x.element_size()]
+            nnz = int((x.reshape(-1).view(bits) != b.reshape(-1).view(bits)).sum())
+        else:
+            nnz = int(((torch.from_numpy(d) != 0) | (x.signbit() != b.signbit()).reshape(-1)).sum())
+        if not (math.isfinite(want_sq) and math.isfinite(want_max)):
+            want_sq = want_max = math.inf
+            nnz = max(nnz, 1)
+        assert (row["delta_sq"], row["max_abs_delta"], row["nnz_delta"]) == (want_sq, want_max, nnz), row
+        assert r["base_sq"] == float(np.square(b.double().numpy().ravel()).sum())
+    zeros = [s for s in strips.stats.to_pylist() if s["tensor"] == "model.layers.1.zeros"]
+    assert {(s["delta_sq"], s["nnz_delta"]) for s in zeros} == {(0.0, 128)}
+    assert sum(math.isinf(s["delta_sq"]) for s in strips.stats.to_pylist()) == 2

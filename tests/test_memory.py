@@ -295,3 +295,56 @@ def test_base_bytes_where_no_delta_equal_the_formula_bit_for_bit(dtype, lam, wei
     nan_got = torch.from_numpy(got.copy()).view(DTYPES[dtype].torch).isnan().numpy()
     assert np.array_equal(nan_got, nan_expected) and nan_expected.sum() >= 4
     assert np.array_equal(got[~nan_expected], expected[~nan_expected])
+
+
+def _reversed_copy(family, root):
+    """The family with each model in one file holding its tensors in reverse name order (the
+    output lays them out by name): neighbours in the output are neighbours in the file, the
+    other way round."""
+    from mergepipe.devtools.synthetic import FamilyPaths
+    from mergepipe.storage.safetensors_format import DTYPES, build_header
+
+    SAFETENSORS_NAMES = {d.torch: d.name for d in DTYPES.values()}
+
+    folders = []
+    for i, src in enumerate([family.base, *family.experts]):
+        tensors = load_model(src)
+        names = sorted(tensors, reverse=True)
+        header, _ = build_header([(n, SAFETENSORS_NAMES[tensors[n].dtype], tuple(tensors[n].shape)) for n in names])
+        folder = root / (f"expert-{i}" if i else "base")
+        folder.mkdir(parents=True)
+        with open(folder / "model.safetensors", "wb") as f:
+            f.write(header)
+            for n in names:
+                f.write(tensors[n].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        folders.append(folder)
+    return FamilyPaths(folders[0], folders[1:])
+
+
+def test_batches_read_in_file_order_whatever_order_the_file_keeps(bf16_family, tmp_path, session_catalog, monkeypatch):
+    """A batch's tensors are read as few long ranges in the file's order, then taken in the
+    output's order: the same digest and ledger as one tensor at a time, and one read range per
+    model and batch where the batch's tensors lie together in the file. A first merge of such a
+    family (indexing on the way) gives the same digest."""
+    fam = _reversed_copy(bf16_family, tmp_path / "fam")
+    cfg = config_for(tmp_path, fam, "task_arithmetic", budget="100%")
+    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 0)
+    # The first merge indexes on the way (index.tap finds each range's tensors in file order,
+    # zero-size ones included), the second plans on that index.
+    first = merge(config=str(cfg), out=str(tmp_path / "first"), catalog=session_catalog)
+    assert "indexed_in_merge" in first
+    alone = merge(config=str(cfg), out=str(tmp_path / "alone"), catalog=session_catalog)
+    assert alone["digest"] == first["digest"] and "indexed_in_merge" not in alone
+    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(group, "BATCH_ELEMENTS", 40_000)
+    ranges = []
+    real = GroupMerger._merge_batch
+
+    def spy(self, batch, planned):
+        ranges.append([len(r.ranges) for r in planned[0]])
+        return real(self, batch, planned)
+
+    monkeypatch.setattr(GroupMerger, "_merge_batch", spy)
+    together = merge(config=str(cfg), out=str(tmp_path / "together"), catalog=session_catalog)
+    assert together["digest"] == alone["digest"] and together["bytes"] == alone["bytes"]
+    assert len(ranges) > 2 and all(set(n) == {1} for n in ranges), ranges

@@ -77,6 +77,30 @@ def test_header_errors_name_the_problem(body, match):
         parse_header(body, 8 + len(body) + 16, "x.safetensors")
 
 
+_A = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+_B = '{"dtype":"F32","shape":[1],"data_offsets":[4,8]}'
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"a":%s,"a":%s}' % (_A, _B),
+        '{"a":{},"a":%s}' % _B,  # the parse keeps the last, which is valid
+        '{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+        '{"__metadata__":{"k":"{","k":"v"},"a":%s}' % _A,
+    ],
+)
+def test_header_with_a_key_given_twice_is_refused(body):
+    with pytest.raises(BadInput, match="appears twice"):
+        parse_header(body.encode(), 8 + len(body) + 16, "x.safetensors")
+
+
+def test_header_whose_strings_hold_braces_and_key_names_parses():
+    body = json.dumps({"__metadata__": {"note": '{"dtype": "shape"}'}, "t{": json.loads(_A), "b": json.loads(_B)})
+    tensors, meta = parse_header(body.encode(), 8 + len(body) + 16, "x.safetensors")
+    assert meta == {"note": '{"dtype": "shape"}'} and [t.name for t in tensors] == ["t{", "b"]
+
+
 def test_output_shards_split_by_size():
     entries = {f"model.layers.{i}.w": ("F32", (256,)) for i in range(4)}  # 1 KiB each
     layout = plan_output(entries, 2048)
@@ -335,3 +359,37 @@ def test_sweep_plot_marks_a_heuristic_bound_and_shares_its_axes(guaranteed):
         assert lines.get("bound") == "--" and "heuristic (not a bound)" not in lines
     else:
         assert lines.get("heuristic (not a bound)") == ":" and "bound" not in lines
+
+
+def test_cycle_collection_is_paused_while_flows_run_and_restored_after():
+    import gc
+    import threading
+
+    from mergepipe.flows.orchestration import gc_paused
+
+    assert gc.isenabled()
+    inside = threading.Event()
+    leave = threading.Event()
+
+    def other_flow():
+        with gc_paused():
+            inside.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=other_flow)
+    t.start()
+    inside.wait(10)
+    with pytest.raises(RuntimeError), gc_paused():
+        assert not gc.isenabled()
+        raise RuntimeError("a flow fails")
+    assert not gc.isenabled()  # the other flow still runs
+    leave.set()
+    t.join()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # paused by someone else before: left so
+    finally:
+        gc.enable()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from bisect import bisect_right
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -162,7 +163,7 @@ class GroupMerger:
         # The kernel reads the next tensors' ranges while these merge: one thread asks for them
         # (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors (or batches) ahead. A tensor
         # merged in passes over windows asks for its next window itself.
-        batches = list(self._batches(reads))
+        batches = [b if len(b) > 1 else [self._with_expert_requests(b[0])] for b in self._batches(reads)]
         batch_reads = [self._batch_requests(b) if len(b) > 1 else None for b in batches]
         ahead = [
             planned[0] if planned else [] if self.op.windowed and self._too_large(b[0].name) else b[0].all_requests()
@@ -260,22 +261,18 @@ class GroupMerger:
 
     def _batch_requests(
         self, batch: list[TensorReads]
-    ) -> tuple[list[ReadRequest], dict[int, list[tuple[int, int]]], list[int]]:
+    ) -> tuple[list[ReadRequest], list[Gather], dict[int, list[tuple[int, int]]], list[int]]:
         """A batch's reads: the base's bytes, then each expert's planned bytes (experts in
-        order), adjacent ranges joined; each expert's pieces, as ranges of elements of the
-        batch's tensors laid end to end; and where each tensor starts among them."""
+        order), each read in file order with touching ranges joined, and gathered back into
+        the batch's order; each expert's pieces, as ranges of elements of the batch's tensors
+        laid end to end; and where each tensor starts among them."""
         first = batch[0].name
         tensors = [self.plan.inputs[0].tensors[r.name] for r in batch]
         offsets = [0]
         for t in tensors:
             offsets.append(offsets[-1] + math.prod(t.shape))
-        base = ReadRequest(
-            batch[0].base.path,
-            _adjacent([(t.start, t.start + t.nbytes) for t in tensors]),
-            "base",
-            "base",
-            tensors[0].file,
-        )
+        gathers = [gather([(t.start, t.start + t.nbytes) for t in tensors])]
+        requests = [ReadRequest(batch[0].base.path, gathers[0].reads, "base", "base", tensors[0].file)]
         pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
         byte_ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for r, off, t in zip(batch, offsets, tensors):
@@ -286,17 +283,18 @@ class GroupMerger:
                 for r0, r1 in runs:
                     pieces[k].append((off + r0 * width, off + r1 * width))
                     byte_ranges[k].append((x.start + r0 * width * size, x.start + r1 * width * size))
-        requests = [
-            ReadRequest(
-                next(r.experts[k].path for r in batch if k in r.experts),
-                _adjacent(byte_ranges[k]),
-                "expert",
-                self.plan.inputs[k + 1].role,
-                self.plan.inputs[k + 1].tensors[first].file,
+        for k in sorted(pieces):
+            gathers.append(gather(byte_ranges[k]))
+            requests.append(
+                ReadRequest(
+                    self._path(k + 1, self.plan.inputs[k + 1].tensors[first].file),
+                    gathers[-1].reads,
+                    "expert",
+                    self.plan.inputs[k + 1].role,
+                    self.plan.inputs[k + 1].tensors[first].file,
+                )
             )
-            for k in sorted(pieces)
-        ]
-        return [base, *requests], dict(pieces), offsets
+        return requests, gathers, dict(pieces), offsets
 
     def _merge_batch(self, batch: list[TensorReads], planned: tuple) -> None:
         """Small tensors of an elementwise merge, one after another in the output, merged as one
@@ -306,15 +304,15 @@ class GroupMerger:
         through alone, so the bytes are the same as tensor by tensor."""
         first = batch[0].name
         tensors = [self.plan.inputs[0].tensors[r.name] for r in batch]
-        requests, pieces, offsets = planned
+        requests, gathers, pieces, offsets = planned
         pieces, order = dict(pieces), sorted(pieces)
         raws = self.reader.read_batch(requests)
-        raw = bytearray().join(raws[0])
+        raw = gathers[0].join(raws[0])
         values = {}
-        for k, bufs in zip(order, raws[1:]):
+        for k, bufs, g in zip(order, raws[1:], gathers[1:]):
             # The pieces' bytes lie in `joined` in their order: adjacent pieces (whole tensors
-            # read one after another) become one, so the operator steps over few long runs.
-            joined = memoryview(bytearray().join(bufs))
+            # one after another in the output) become one, so the operator steps over few long runs.
+            joined = memoryview(g.join(bufs))
             dtype = self.plan.inputs[k + 1].tensors[first].dtype
             size, at, values[k] = DTYPES[dtype].itemsize, 0, []
             pieces[k] = _adjacent(pieces[k])
@@ -331,7 +329,8 @@ class GroupMerger:
 
     def _tensor_reads(self, name: str, wanted: dict) -> TensorReads:
         """The ranges one tensor needs: the whole base tensor and, for a float tensor, each
-        expert's planned blocks, coalesced into runs of rows."""
+        expert's planned blocks, coalesced into runs of rows (the experts' requests come with
+        _with_expert_requests)."""
         t = self.plan.inputs[0].tensors[name]
         dt = DTYPES[t.dtype]
         base = ReadRequest(self._path(0, t.file), [(t.start, t.start + t.nbytes)], "base", "base", t.file)
@@ -341,7 +340,12 @@ class GroupMerger:
                 blocks = wanted.get((k, name))
                 if blocks:  # nothing planned: a zero delta, nothing read
                     runs[k] = coalesce(sorted((r0, r1) for _, r0, r1 in blocks))
-        return TensorReads(name, base, runs, {k: self._expert_request(k, name, r) for k, r in runs.items()})
+        return TensorReads(name, base, runs, {})
+
+    def _with_expert_requests(self, reads: TensorReads) -> TensorReads:
+        """A tensor merged alone reads each expert's runs with a request of its own (a batch
+        builds its requests for all its tensors at once)."""
+        return reads._replace(experts={k: self._expert_request(k, reads.name, r) for k, r in reads.runs.items()})
 
     def _merge_tensor(self, reads: TensorReads) -> None:
         """Read the base tensor, then each expert's planned rows, and merge.
@@ -624,6 +628,30 @@ def _adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((a, b))
     return out
+
+
+class Gather(NamedTuple):
+    """Byte ranges wanted in one order, read in another: `reads` in file order with touching
+    ones joined (few long reads, however the file orders the tensors), and for each wanted
+    range, in its order, (read, offset in it, length)."""
+
+    reads: list[tuple[int, int]]
+    pieces: list[tuple[int, int, int]]
+
+    def join(self, buffers: list) -> bytearray:
+        """The wanted ranges' bytes, one after another in their order."""
+        views = [memoryview(b) for b in buffers]
+        return bytearray().join(views[i][o : o + n] for i, o, n in self.pieces)
+
+
+def gather(ranges: list[tuple[int, int]]) -> Gather:
+    reads = _adjacent(sorted(ranges))
+    starts = [a for a, _ in reads]
+    pieces = []
+    for a, b in ranges:
+        i = bisect_right(starts, a) - 1
+        pieces.append((i, a - starts[i], b - a))
+    return Gather(reads, pieces)
 
 
 def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:

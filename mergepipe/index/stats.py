@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,9 +27,9 @@ import xxhash
 from mergepipe import torch
 from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
-from mergepipe.index.blocks import block_rows, byte_range, layer_group, row_elems
+from mergepipe.index.blocks import block_rows, layer_group, row_elems
 from mergepipe.index.family import Family
-from mergepipe.storage.canonical import digest_of
+from mergepipe.storage.canonical import plain_json, sha256_hex
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
@@ -61,37 +62,84 @@ BLOCKS_SCHEMA = pa.schema(
 )
 
 
-_INT_OF_WIDTH = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+_INT_OF_WIDTH = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
-def delta_stats(base: torch.Tensor, expert: torch.Tensor, base64: np.ndarray | None = None) -> tuple[float, float, int]:
-    """(sum of squares, max abs, count of differing elements) of expert - base, in fp64.
+class _Scratch(threading.local):
+    """Each thread's fp64 work arrays, kept from strip to strip: a fresh array per strip costs
+    more in page faults (the kernel zeroing its pages) than the statistics cost."""
 
-    `base64` is the base block in fp64 (flat), converted once and shared by every expert.
-    numpy's pairwise sum is single-threaded, so the statistics (and the plans ranked on them)
-    do not depend on the machine's thread count. An element differs when its bits differ
-    (so +0 against -0 counts, as reading it changes the output's bits)."""
-    if expert.numel() == 0:
-        return 0.0, 0.0, 0
-    if base64 is None:
-        base64 = base.double().numpy().reshape(-1)
-    d = expert.double().numpy().reshape(-1)  # a fresh array: the steps below work in place
+    def __init__(self) -> None:
+        self.arrays: dict[str, np.ndarray] = {}
+
+    def get(self, slot: str, n: int) -> np.ndarray:
+        a = self.arrays.get(slot)
+        if a is None or a.size < n:
+            a = self.arrays[slot] = np.empty(n, dtype=np.float64)
+        return a[:n]
+
+
+_SCRATCH = _Scratch()
+
+
+def _widen(t: torch.Tensor, out: np.ndarray) -> np.ndarray:
+    """`t` in fp64, written into `out` (flat, of t's size): the values `t.double()` gives."""
+    view = out.reshape(t.shape)
+    torch.from_numpy(view).copy_(t)
+    return view
+
+
+def base_strip(raw, dtype: str, count: int, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """`count` base blocks of one size stored one after another as `raw`: in fp64, as a
+    (count, elements) array shared by every expert's statistics (written into `out` where
+    given, else into this thread's scratch), and each block's energy sum(b^2). numpy sums
+    along a row pairwise and single-threaded, as it sums one block, so the statistics (and
+    the plans ranked on them) depend neither on how blocks are grouped nor on the machine's
+    thread count."""
+    t = decode(raw, dtype, (count, -1))
+    base64 = _widen(t, _SCRATCH.get("base", t.numel()) if out is None else out)
+    return base64, np.square(base64, out=_SCRATCH.get("square", t.numel()).reshape(t.shape)).sum(axis=1)
+
+
+def delta_strip(
+    base_raw, base_dtype: str, base64: np.ndarray, raw, dtype: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per block of a strip (the expert's bytes `raw` of the blocks of `base64`, one after
+    another): the sum of squares, max abs and count of differing elements of expert - base,
+    in fp64. An element differs when its bits differ (so +0 against -0 counts, as reading it
+    changes the output's bits). A block whose delta is NaN or Inf has no finite norm: it is
+    recorded as +inf (at least one element differing), so the planner can never leave it out;
+    the config decides (allow_nonfinite) whether such a family may be merged at all."""
+    count, n = base64.shape
+    expert = decode(raw, dtype, (count, n))
+    d = _widen(expert, _SCRATCH.get("delta", count * n))  # the steps below work in place
     np.subtract(d, base64, out=d)
-    if expert.dtype == base.dtype:
-        width = getattr(torch, _INT_OF_WIDTH[expert.element_size()])
-        differs = int(np.count_nonzero(expert.view(width).numpy() != base.view(width).numpy()))
+    if dtype == base_dtype:
+        width = _INT_OF_WIDTH[DTYPES[dtype].itemsize]
+        differs = np.count_nonzero(
+            np.frombuffer(raw, width).reshape(count, n) != np.frombuffer(base_raw, width).reshape(count, n), axis=1
+        )
     else:  # stored in another dtype: compare values (and signs of zeros)
-        differs = int(((d != 0) | (torch.signbit(expert) != torch.signbit(base)).numpy().reshape(-1)).sum())
-    max_abs = max(abs(float(d.max())), abs(float(d.min())))  # NaN in, NaN out (numpy's max and min propagate it)
-    return float(np.square(d, out=d).sum()), max_abs, differs
+        signs = torch.signbit(expert) != torch.signbit(decode(base_raw, base_dtype, (count, n)))
+        differs = np.count_nonzero((d != 0) | signs.numpy(), axis=1)
+    max_abs = np.maximum(np.abs(d.max(axis=1)), np.abs(d.min(axis=1)))  # NaN in, NaN out
+    sq = np.square(d, out=d).sum(axis=1)
+    bad = ~(np.isfinite(sq) & np.isfinite(max_abs))
+    if bad.any():
+        sq[bad], max_abs[bad] = math.inf, math.inf
+        differs = np.where(bad, np.maximum(differs, 1), differs)
+    return sq, max_abs, differs.astype(np.int64)
+
+
+def block_hash(raw) -> str:
+    """The content hash of a block's stored bytes."""
+    return xxhash.xxh3_128_hexdigest(raw)
 
 
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
-    return digest_of(
-        {
-            name: [loc.info.dtype, list(loc.info.shape), tensor_hashes[name]]
-            for name, loc in sorted(model.tensors.items())
-        }
+    # Tensor names are str keys: the digest of plain JSON, which sorts them.
+    return sha256_hex(
+        plain_json({name: [loc.info.dtype, loc.info.shape, tensor_hashes[name]] for name, loc in model.tensors.items()})
     )
 
 
@@ -126,71 +174,127 @@ def chunk_blocks(blocks: list[tuple[int, int]], row_bytes: int, chunk: int = REA
     return runs
 
 
-def _block_ranges(model: ModelFiles, name: str, blocks: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    info = model.tensors[name].info
-    return [byte_range(info.start, info.shape, DTYPES[info.dtype].itemsize, r0, r1) for r0, r1 in blocks]
+# A strip's fp64 arrays hold about this many elements at most (2 MiB each, at least one block):
+# larger ones fall out of the CPU's cache between the steps that sweep them.
+STRIP_ELEMENTS = 1 << 18
 
 
-def decode_block(dtype: str, shape: tuple[int, ...], rows: tuple[int, int], raw) -> torch.Tensor:
-    """Rows [r0, r1) of a tensor of `shape`, stored as `raw` (writable: decoded in place)."""
-    return decode(raw, dtype, (rows[1] - rows[0], *shape[1:]) if shape else ())
-
-
-def _decode_block(model: ModelFiles, name: str, rows: tuple[int, int], raw: bytearray) -> torch.Tensor:
-    info = model.tensors[name].info
-    return decode_block(info.dtype, tuple(info.shape), rows, raw)
-
-
-def base_block(base_t: torch.Tensor) -> tuple[np.ndarray, float]:
-    """A base block in fp64 (flat, shared by every expert's statistics) and its energy sum(b^2)."""
-    base64 = base_t.double().numpy().reshape(-1)
-    return base64, float(np.square(base64).sum())  # pairwise, single-threaded: as delta_sq
-
-
-def expert_block_row(
-    fp: str, name: str, b: int, raw, expert_t: torch.Tensor, base_t: torch.Tensor, base64: np.ndarray
-) -> tuple:
-    """One (expert, block) row of STATS_SCHEMA from the block's stored bytes and its values."""
-    sq, mx, nnz = delta_stats(base_t, expert_t, base64)
-    if not (math.isfinite(sq) and math.isfinite(mx)):
-        # NaN or Inf: the block's delta has no finite norm. Recorded as +inf so the planner
-        # can never leave it out; the config decides (allow_nonfinite) whether such a
-        # family may be merged at all.
-        sq, mx, nnz = math.inf, math.inf, max(nnz, 1)
-    return (fp, name, b, len(raw), sq, mx, nnz, xxhash.xxh3_128_hexdigest(raw))
-
-
-def _expert_rows(
-    model: ModelFiles,
-    fp: str,
-    name: str,
-    run: list[int],
-    rows: list[tuple[int, int]],
-    chunk: bytearray,
-    ranges: list[tuple[int, int]],
-    bases: list[tuple[torch.Tensor, np.ndarray]],
-    hasher,
-) -> list[tuple]:
-    """One expert's statistics rows for one run of blocks of a float tensor (hashing as it
-    goes). Runs in a worker thread: hashlib, xxhash and numpy release the GIL on large buffers."""
-    out = []
-    for j, (b, block) in enumerate(zip(run, rows)):
-        # A view, not a copy: writable (the chunk is a bytearray), so decode views it in place.
-        raw = memoryview(chunk)[ranges[j][0] - ranges[0][0] : ranges[j][1] - ranges[0][0]]
-        hasher.update(raw)
-        base_t, base64 = bases[j]
-        out.append(expert_block_row(fp, name, b, raw, _decode_block(model, name, block, raw), base_t, base64))
+def strips(ranges: list[tuple[int, int]], dtypes: list[str]) -> list[tuple[int, int]]:
+    """Blocks [first, end) measured together: consecutive ones of one dtype and size, each
+    starting where the last ended, up to STRIP_ELEMENTS elements (a block alone may exceed it)."""
+    out: list[tuple[int, int]] = []
+    for i, (a, b) in enumerate(ranges):
+        if out:
+            first, end = out[-1]
+            last = ranges[i - 1]
+            size = b - a
+            if (
+                a == last[1]
+                and size == last[1] - last[0]
+                and dtypes[i] == dtypes[first]
+                and (end - first + 1) * size <= STRIP_ELEMENTS * DTYPES[dtypes[i]].itemsize
+            ):
+                out[-1] = (first, i + 1)
+                continue
+        out.append((i, i + 1))
     return out
 
 
-def _expert_batch(model: ModelFiles, fp: str, jobs: list, position: int, hashers: dict) -> list[list[tuple]]:
-    """One expert's statistics rows for every float run of a batch, in order."""
-    return [
-        _expert_rows(
-            model, fp, run.name, run.run, run.rows, chunks[position], run.per_model[position], bases, hashers[run.name]
-        )
-        for run, chunks, bases in jobs
+class _Blocks:
+    """The float blocks of one batch, in file order: each one's tensor, number and rows, and
+    its byte range in each model's chunk of the batch (base first)."""
+
+    def __init__(self, models: int) -> None:
+        self.names: list[str] = []
+        self.numbers: list[int] = []
+        self.rows: list[tuple[int, int]] = []
+        self.ranges: list[list[tuple[int, int]]] = [[] for _ in range(models)]
+        self.tensor_bytes: list[list[tuple[str, memoryview]]] = [[] for _ in range(models)]  # each run's bytes
+
+    def add(self, run: "BlockRun", batch: "Batch", chunks: list[memoryview]) -> None:
+        self.names.extend([run.name] * len(run.run))
+        self.numbers.extend(run.run)
+        self.rows.extend(run.rows)
+        for p, (per_block, request) in enumerate(zip(run.per_model, batch.requests)):
+            origin = request.ranges[0][0]
+            self.ranges[p].extend((a - origin, b - origin) for a, b in per_block)
+            self.tensor_bytes[p].append((run.name, chunks[p]))
+
+
+def _expert_stats(
+    model: ModelFiles, chunk: memoryview, blocks: _Blocks, p: int, base_strips: list, hashers: dict
+) -> tuple:
+    """One expert's statistics of every float block of a batch (and its tensors' hashes).
+    Runs in a worker thread: hashlib, xxhash and numpy release the GIL on large buffers."""
+    for name, view in blocks.tensor_bytes[p]:
+        hashers[name].update(view)
+    ranges = blocks.ranges[p]
+    dtypes = [model.tensors[n].info.dtype for n in blocks.names]
+    n = len(ranges)
+    sq, mx, nnz = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
+    for first, end, base_dtype, base_raw, base64 in base_strips:
+        size = len(base_raw) // (end - first)
+        for g, h in strips(ranges[first:end], dtypes[first:end]):
+            at = slice(first + g, first + h)
+            sq[at], mx[at], nnz[at] = delta_strip(
+                base_raw[g * size : h * size],
+                base_dtype,
+                base64[g:h],
+                chunk[ranges[first + g][0] : ranges[first + h - 1][1]],
+                dtypes[first + g],
+            )
+    hashes = [block_hash(chunk[a:b]) for a, b in ranges]
+    return [b - a for a, b in ranges], sq, mx, nnz, hashes
+
+
+def _measure_batch(
+    family: Family, experts: list, blocks: _Blocks, chunks: list[memoryview], hashers: list, pool
+) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+    """The base's layout rows of one batch's float blocks, and the experts' statistics rows
+    (block by block, the experts in turn)."""
+    base_dtypes = [family.base.tensors[n].info.dtype for n in blocks.names]
+    base_strips, base_sq = [], []
+    # The batch's base in fp64, held while the experts' jobs use it (the next batch reuses it).
+    elements = [(b - a) // DTYPES[dt].itemsize for (a, b), dt in zip(blocks.ranges[0], base_dtypes)]
+    held, at = _SCRATCH.get("batch", sum(elements)), 0
+    for first, end in strips(blocks.ranges[0], base_dtypes):
+        raw = chunks[0][blocks.ranges[0][first][0] : blocks.ranges[0][end - 1][1]]
+        n = sum(elements[first:end])
+        base64, energy = base_strip(raw, base_dtypes[first], end - first, held[at : at + n])
+        at += n
+        base_strips.append((first, end, base_dtypes[first], raw, base64))
+        base_sq.append(energy)
+    futures = [
+        pool.submit(_expert_stats, model, chunks[p], blocks, p, base_strips, hashers[p])
+        for p, (_, model, _) in enumerate(experts, start=1)
     ]
+    layout = pa.record_batch(
+        [
+            blocks.names,
+            blocks.numbers,
+            [layer_group(n) for n in blocks.names],
+            [r0 for r0, _ in blocks.rows],
+            [r1 for _, r1 in blocks.rows],
+            [b - a for a, b in blocks.ranges[0]],
+            np.concatenate(base_sq),
+        ],
+        schema=BLOCKS_SCHEMA,
+    )
+    per_expert = [f.result() for f in futures]
+    if not per_expert:
+        return layout, None
+    k = len(per_expert)
+    stats = pa.record_batch(
+        [
+            [fp for _, _, fp in experts] * len(blocks.names),
+            np.repeat(np.array(blocks.names, dtype=object), k),
+            np.repeat(np.array(blocks.numbers, dtype=np.int32), k),
+            *(np.column_stack([e[c] for e in per_expert]).reshape(-1) for c in range(4)),
+            [h for row in zip(*(e[4] for e in per_expert)) for h in row],
+        ],
+        schema=STATS_SCHEMA,
+    )
+    return layout, stats
 
 
 def compute_stats(
@@ -204,16 +308,18 @@ def compute_stats(
     """Stream the base once and each listed expert once; return their block statistics.
 
     Each run of blocks is read for all models at once, consecutive runs of small tensors
-    together (one read per model per batch); the experts' statistics and hashes are then
-    computed in parallel threads, one job per expert and batch, and their rows gathered in a
-    fixed order."""
-    cols: dict[str, list] = {f.name: [] for f in STATS_SCHEMA}
-    layout: dict[str, list] = {f.name: [] for f in BLOCKS_SCHEMA}
+    together (one read per model per batch). The base's blocks are converted once per batch,
+    in strips of equal blocks; each expert's statistics and hashes are then computed in
+    parallel threads, one job per expert and batch, strip by strip (a batch of many small
+    tensors would otherwise cost numpy calls and a thread hand-off per tensor), and their rows
+    gathered in a fixed order: block by block, the experts in turn."""
+    stats: list[pa.RecordBatch] = []
+    layout: list[pa.RecordBatch] = []
     fps = family.expert_fps()
     experts = [(i, family.experts[i], fps[i]) for i in expert_positions]
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
-    batches = list(_batches(list(_block_runs(family, models, block_size))))
+    batches = list(_batches(list(_block_runs(family, models, block_size)), models))
     # The next batches are read while this one is measured: a cold disk needs several requests in
     # flight to approach its sequential rate.
     with (
@@ -222,47 +328,32 @@ def compute_stats(
     ):
         pending = deque(ahead.submit(reader.read_batch, b.requests) for b in batches[:READ_AHEAD])
         for i, batch in enumerate(batches):
-            batch_chunks = [bufs[0] for bufs in pending.popleft().result()]
+            batch_chunks = [memoryview(bufs[0]) for bufs in pending.popleft().result()]
             if i + READ_AHEAD < len(batches):
                 pending.append(ahead.submit(reader.read_batch, batches[i + READ_AHEAD].requests))
-            jobs = []  # (run, its chunks, the base blocks) of each float tensor's run in the batch
+            blocks = _Blocks(len(models))
             for run in batch.runs:
                 chunks = [
-                    memoryview(c)[r.ranges[0][0] - b.ranges[0][0] : r.ranges[0][1] - b.ranges[0][0]]
-                    for c, r, b in zip(batch_chunks, run.requests, batch.requests)
+                    c[a - b.ranges[0][0] : e - b.ranges[0][0]]
+                    for c, (_, a, e), b in zip(batch_chunks, run.spans, batch.requests)
                 ]
-                name, dt, per_model = run.name, run.dt, run.per_model
-                base_raws = [chunks[0][r0 - per_model[0][0][0] : r1 - per_model[0][0][0]] for r0, r1 in per_model[0]]
-                for raw in base_raws:
-                    hashers[0][name].update(raw)
-                if not dt.is_float:
-                    _check_buffers(experts, name, run.info.dtype, chunks[0], chunks[1:], hashers[1:])
-                    continue
-                bases = []
-                for b, block, raw in zip(run.run, run.rows, base_raws):
-                    base_t = _decode_block(family.base, name, block, raw)
-                    base64, base_sq = base_block(base_t)
-                    bases.append((base_t, base64))
-                    for col, value in zip(
-                        BLOCKS_SCHEMA.names, (name, b, layer_group(name), block[0], block[1], len(raw), base_sq)
-                    ):
-                        layout[col].append(value)
-                jobs.append((run, chunks, bases))
-            # One job per expert for the whole batch (a batch of many small tensors would
-            # otherwise cost a thread hand-off per tensor and expert).
-            futures = [
-                pool.submit(_expert_batch, model, fp, jobs, e + 1, hashers[e + 1])
-                for e, (_, model, fp) in enumerate(experts)
-            ]
-            per_expert = [f.result() for f in futures]
-            for j, (run, _, _) in enumerate(jobs):
-                for b in range(len(run.run)):
-                    for expert_rows in per_expert:
-                        for col, value in zip(STATS_SCHEMA.names, expert_rows[j][b]):
-                            cols[col].append(value)
+                hashers[0][run.name].update(chunks[0])
+                if run.dt.is_float:
+                    blocks.add(run, batch, chunks)
+                else:
+                    _check_buffers(experts, run.name, run.info.dtype, chunks[0], chunks[1:], hashers[1:])
+            if blocks.names:
+                rows, measured = _measure_batch(family, experts, blocks, batch_chunks, hashers, pool)
+                layout.append(rows)
+                if measured is not None:
+                    stats.append(measured)
             if progress:
                 progress(sum(len(c) for c in batch_chunks[1:]))
-    result = StatsResult(pa.table(cols, schema=STATS_SCHEMA), pa.table(layout, schema=BLOCKS_SCHEMA))
+    _SCRATCH.arrays.clear()  # the pool's threads took theirs with them
+    result = StatsResult(
+        pa.Table.from_batches(stats, schema=STATS_SCHEMA).combine_chunks(),
+        pa.Table.from_batches(layout, schema=BLOCKS_SCHEMA).combine_chunks(),
+    )
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
     for (i, model, fp), h in zip(experts, hashers[1:]):
         result.content[fp] = content_digest({n: x.hexdigest() for n, x in h.items()}, model)
@@ -274,7 +365,7 @@ class BlockRun(NamedTuple):
     info: object  # the base's TensorInfo
     dt: object  # its DTYPES entry
     run: list[int]  # block numbers
-    requests: list[ReadRequest]  # one range per model: base first, then the experts
+    spans: list[tuple[str, int, int]]  # per model (base first, then the experts): file, start, end
     rows: list[tuple[int, int]]  # each block's rows
     per_model: list[list[tuple[int, int]]]  # each model's byte range per block
 
@@ -284,32 +375,32 @@ class Batch(NamedTuple):
     requests: list[ReadRequest]  # one range per model, spanning every run of the batch
 
 
-def _batches(runs: list[BlockRun], limit: int = READ_CHUNK) -> Iterator[Batch]:
+def _batches(runs: list[BlockRun], models: list, limit: int = READ_CHUNK) -> Iterator[Batch]:
     """Consecutive runs (of small tensors, typically) read together: while every model's next
     run starts in the same file where its last one ended, up to `limit` bytes of the base."""
     group: list[BlockRun] = []
     size = 0
     for run in runs:
-        n = run.requests[0].ranges[0][1] - run.requests[0].ranges[0][0]
-        adjacent = group and all(
-            r.path == last.path and r.ranges[0][0] == last.ranges[0][1]
-            for r, last in zip(run.requests, group[-1].requests)
-        )
-        if group and adjacent and size + n <= limit:
+        n = run.spans[0][2] - run.spans[0][1]
+        if (
+            group
+            and size + n <= limit
+            and all(f == last[0] and a == last[2] for (f, a, _), last in zip(run.spans, group[-1].spans))
+        ):
             group.append(run)
             size += n
             continue
         if group:
-            yield _batch(group)
+            yield _batch(group, models)
         group, size = [run], n
     if group:
-        yield _batch(group)
+        yield _batch(group, models)
 
 
-def _batch(runs: list[BlockRun]) -> Batch:
+def _batch(runs: list[BlockRun], models: list) -> Batch:
     requests = [
-        ReadRequest(first.path, [(first.ranges[0][0], last.ranges[0][1])], first.role, first.model, first.file)
-        for first, last in zip(runs[0].requests, runs[-1].requests)
+        ReadRequest(m.path(file), [(start, last[2])], role, label, file)
+        for (label, role, m), (file, start, _), last in zip(models, runs[0].spans, runs[-1].spans)
     ]
     return Batch(runs, requests)
 
@@ -322,14 +413,16 @@ def _block_runs(family: Family, models: list, block_size: int) -> Iterator[Block
         info = family.base.tensors[name].info
         dt = DTYPES[info.dtype]
         blocks = block_rows(info.shape, dt.itemsize, block_size)
-        for run in chunk_blocks(blocks, row_elems(info.shape) * dt.itemsize):
+        locations = [m.tensors[name] for _, _, m in models]
+        per_row = [row_elems(info.shape) * DTYPES[loc.info.dtype].itemsize for loc in locations]
+        for run in chunk_blocks(blocks, per_row[0]):
             rows = [blocks[b] for b in run]
-            per_model = [_block_ranges(m, name, rows) for _, _, m in models]
-            requests = [
-                ReadRequest(m.path(m.tensors[name].file), [(r[0][0], r[-1][1])], role, label, m.tensors[name].file)
-                for (label, role, m), r in zip(models, per_model)
+            per_model = [
+                [(loc.info.start + r0 * n, loc.info.start + r1 * n) for r0, r1 in rows]
+                for loc, n in zip(locations, per_row)
             ]
-            yield BlockRun(name, info, dt, run, requests, rows, per_model)
+            spans = [(loc.file, r[0][0], r[-1][1]) for loc, r in zip(locations, per_model)]
+            yield BlockRun(name, info, dt, run, spans, rows, per_model)
 
 
 def _check_buffers(experts, name: str, dtype: str, base_chunk: bytearray, chunks: list[bytearray], hashers) -> None:

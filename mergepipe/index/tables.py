@@ -56,7 +56,8 @@ class ModelTables(NamedTuple):
 
 
 def model_tables(models: list[ModelFiles]) -> ModelTables:
-    m_rows, f_rows, t_rows = [], [], []
+    m_rows, f_rows = [], []
+    t_cols: dict[str, list] = {f.name: [] for f in TENSORS_SCHEMA}
     for model in models:
         fp = model_fingerprint(model)
         m_rows.append(
@@ -82,21 +83,18 @@ def model_tables(models: list[ModelFiles]) -> ModelTables:
                     "version_id": ffp.version_id,
                 }
             )
-        for name, loc in model.tensors.items():
-            t_rows.append(
-                {
-                    "model_fp": fp,
-                    "name": name,
-                    "file": loc.file,
-                    "dtype": loc.info.dtype,
-                    "shape": list(loc.info.shape),
-                    "byte_start": loc.info.start,
-                    "byte_end": loc.info.end,
-                    "layer": layer_group(name),
-                }
-            )
+        # Columns, not a dict per tensor: a checkpoint may hold 100k tensors.
+        locs = model.tensors.values()
+        t_cols["model_fp"].extend([fp] * len(locs))
+        t_cols["name"].extend(model.tensors)
+        t_cols["file"].extend([loc.file for loc in locs])
+        t_cols["dtype"].extend([loc.info.dtype for loc in locs])
+        t_cols["shape"].extend([loc.info.shape for loc in locs])
+        t_cols["byte_start"].extend([loc.info.start for loc in locs])
+        t_cols["byte_end"].extend([loc.info.end for loc in locs])
+        t_cols["layer"].extend([layer_group(name) for name in model.tensors])
     return ModelTables(
         pa.Table.from_pylist(m_rows, schema=MODELS_SCHEMA),
         pa.Table.from_pylist(f_rows, schema=FILES_SCHEMA),
-        pa.Table.from_pylist(t_rows, schema=TENSORS_SCHEMA),
+        pa.table(t_cols, schema=TENSORS_SCHEMA),
     )

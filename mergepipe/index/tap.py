@@ -2,11 +2,11 @@
 every block indexes it in the same pass (no second read of any expert byte).
 
 The tap is handed each batch of bytes as it is read, tensor by tensor, and computes what the
-statistics pass (index.stats) computes, block by block with the same functions, so the rows,
-hashes and content digests are the same as that pass's. Bytes must come in order within each
-(model, tensor); bytes seen before (a pass over windows read again) are skipped. A block is
-measured once the base's bytes and every indexed expert's bytes of it have arrived; only the
-bytes of blocks not yet complete are kept between batches.
+statistics pass (index.stats) computes with the same functions, in strips of equal blocks as
+that pass does, so the rows, hashes and content digests are the same as that pass's. Bytes must
+come in order within each (model, tensor); bytes seen before (a pass over windows read again)
+are skipped. A block is measured once the base's bytes and every indexed expert's bytes of it
+have arrived; only the bytes of blocks not yet complete are kept between batches.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from mergepipe.index.family import Family
 from mergepipe.index.stats import (
     BLOCKS_SCHEMA,
     STATS_SCHEMA,
+    STRIP_ELEMENTS,
     StatsResult,
-    base_block,
+    base_strip,
+    block_hash,
     content_digest,
-    decode_block,
-    expert_block_row,
+    delta_strip,
 )
 from mergepipe.storage.safetensors_format import DTYPES
 
@@ -100,13 +101,15 @@ class StatsTap:
         for name in names:
             self.tensors[name] = _Tensor(name, [inp.tensors[name] for inp in inputs], self.models, block_size)
         for m in self.models:
-            by_file: dict[str, list[tuple[int, str]]] = {}
+            by_file: dict[str, list[tuple[int, int, str]]] = {}
             for name in names:
                 e = inputs[m].tensors[name]
-                by_file.setdefault(e.file, []).append((e.start, name))
+                by_file.setdefault(e.file, []).append((e.start, e.start + e.nbytes, name))
             for file, starts in by_file.items():
+                # Zero-size tensors share their start with the next tensor: by end too, so the
+                # last tensor starting at or before a range's start is the one that holds it.
                 starts.sort()
-                self._files[(m, file)] = ([s for s, _ in starts], [n for _, n in starts])
+                self._files[(m, file)] = ([s for s, _, _ in starts], [n for _, _, n in starts])
         self.stats: dict[str, list] = {f: [] for f in STATS_SCHEMA.names}
         self.blocks: dict[str, list] = {f: [] for f in BLOCKS_SCHEMA.names}
 
@@ -134,40 +137,63 @@ class StatsTap:
                                 raise MergepipeError(f"indexing in the merge: tensor {t.name!r} of {req.model}: {err}")
                             touched[t.name] = t
                         j += 1
+            ready: list[tuple[_Tensor, int, list]] = []
             for t in touched.values():
-                self._measure(t)
+                self._measure(t, ready)
+            self._measure_strips(ready)
 
-    def _measure(self, t: _Tensor) -> None:
-        """Every block of `t` whose bytes have all arrived, then keep only what follows them."""
+    def _measure(self, t: _Tensor, ready: list) -> None:
+        """Every block of `t` whose bytes have all arrived goes to `ready` with its bytes of
+        each model; then only what follows them is kept."""
         if t.is_float:
             while t.next < len(t.rows) and all(
                 s.seen >= t.rows[t.next][1] * t.row_bytes(m) for m, s in t.streams.items()
             ):
-                self._block(t, t.next)
+                r0, r1 = t.rows[t.next]
+                raws = [t.streams[m].take(r0 * t.row_bytes(m), r1 * t.row_bytes(m)) for m in self.models]
+                ready.append((t, t.next, raws))
                 t.next += 1
         for m, s in t.streams.items():
             # a float tensor keeps from its first unmeasured block; any other needs only its hash
             upto = min(t.rows[t.next][0] * t.row_bytes(m), s.seen) if t.is_float and t.next < len(t.rows) else s.seen
             s.release(upto)
 
-    def _block(self, t: _Tensor, b: int) -> None:
-        r0, r1 = t.rows[b]
+    def _measure_strips(self, ready: list) -> None:
+        """The ready blocks in order, consecutive ones of one size and the same dtypes measured
+        together as the statistics pass measures its strips (their bytes joined where they are
+        several): rows block by block, the experts in turn."""
+        kinds = [(len(raws[0]), tuple(t.entries[m].dtype for m in self.models)) for t, _, raws in ready]
+        i = 0
+        while i < len(ready):
+            size, dtypes = kinds[i]
+            j = i + 1
+            while (
+                j < len(ready)
+                and kinds[j] == kinds[i]
+                and (j - i + 1) * size <= STRIP_ELEMENTS * DTYPES[dtypes[0]].itemsize
+            ):
+                j += 1
+            self._strip(ready[i:j], dtypes)
+            i = j
 
-        def raw(m: int):
-            n = t.row_bytes(m)
-            return t.streams[m].take(r0 * n, r1 * n)
+    def _strip(self, group: list, dtypes: tuple) -> None:
+        def joined(p: int):
+            return group[0][2][p] if len(group) == 1 else bytearray().join(raws[p] for _, _, raws in group)
 
-        base_raw = raw(0)
-        base_t = decode_block(t.entries[0].dtype, t.shape, (r0, r1), base_raw)
-        base64, base_sq = base_block(base_t)
-        for col, value in zip(BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), r0, r1, len(base_raw), base_sq)):
-            self.blocks[col].append(value)
-        for m in self.experts:
-            x = raw(m)
-            expert_t = decode_block(t.entries[m].dtype, t.shape, (r0, r1), x)
-            row = expert_block_row(self.inputs[m].model_fp, t.name, b, x, expert_t, base_t, base64)
-            for col, value in zip(STATS_SCHEMA.names, row):
-                self.stats[col].append(value)
+        base_raw = joined(0)
+        base64, base_sq = base_strip(base_raw, dtypes[0], len(group))
+        measured = [delta_strip(base_raw, dtypes[0], base64, joined(p), dtypes[p]) for p in range(1, len(self.models))]
+        for i, (t, b, raws) in enumerate(group):
+            r0, r1 = t.rows[b]
+            for col, value in zip(
+                BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), r0, r1, len(raws[0]), float(base_sq[i]))
+            ):
+                self.blocks[col].append(value)
+            for p, (sq, mx, nnz) in enumerate(measured, start=1):
+                row = (self.inputs[self.models[p]].model_fp, t.name, b, len(raws[p]))
+                values = (*row, float(sq[i]), float(mx[i]), int(nnz[i]), block_hash(raws[p]))
+                for col, value in zip(STATS_SCHEMA.names, values):
+                    self.stats[col].append(value)
 
     def result(self) -> dict:
         """What a layer group's task returns (JSON): the statistics rows, the base's block rows,
