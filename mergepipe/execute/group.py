@@ -73,7 +73,8 @@ def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor
 
 class TensorReads(NamedTuple):
     """What one tensor's merge reads: the base tensor, and each expert's planned runs of rows
-    with the request that reads them."""
+    with the request that reads them (filled in for a tensor merged alone; a batch reads its
+    tensors' runs with requests of its own)."""
 
     name: str
     base: ReadRequest
