@@ -179,9 +179,11 @@ def chunk_blocks(blocks: list[tuple[int, int]], row_bytes: int, chunk: int = REA
 STRIP_ELEMENTS = 1 << 18
 
 
-def strips(ranges: list[tuple[int, int]], dtypes: list[str]) -> list[tuple[int, int]]:
-    """Blocks [first, end) measured together: consecutive ones of one dtype and size, each
-    starting where the last ended, up to STRIP_ELEMENTS elements (a block alone may exceed it)."""
+def strips(ranges: list[tuple[int, int]], dtypes: list[str], kinds: list | None = None) -> list[tuple[int, int]]:
+    """Blocks [first, end) measured together: consecutive ones of one dtype and size (and
+    kind, where given: the other models' dtypes), each starting where the last ended, up to
+    STRIP_ELEMENTS elements (a block alone may exceed it)."""
+    kinds = dtypes if kinds is None else kinds
     out: list[tuple[int, int]] = []
     for i, (a, b) in enumerate(ranges):
         if out:
@@ -192,6 +194,7 @@ def strips(ranges: list[tuple[int, int]], dtypes: list[str]) -> list[tuple[int, 
                 a == last[1]
                 and size == last[1] - last[0]
                 and dtypes[i] == dtypes[first]
+                and kinds[i] == kinds[first]
                 and (end - first + 1) * size <= STRIP_ELEMENTS * DTYPES[dtypes[i]].itemsize
             ):
                 out[-1] = (first, i + 1)

@@ -24,12 +24,12 @@ from mergepipe.index.family import Family
 from mergepipe.index.stats import (
     BLOCKS_SCHEMA,
     STATS_SCHEMA,
-    STRIP_ELEMENTS,
     StatsResult,
     base_strip,
     block_hash,
     content_digest,
     delta_strip,
+    strips,
 )
 from mergepipe.storage.safetensors_format import DTYPES
 
@@ -159,22 +159,16 @@ class StatsTap:
             s.release(upto)
 
     def _measure_strips(self, ready: list) -> None:
-        """The ready blocks in order, consecutive ones of one size and the same dtypes measured
-        together as the statistics pass measures its strips (their bytes joined where they are
-        several): rows block by block, the experts in turn."""
-        kinds = [(len(raws[0]), tuple(t.entries[m].dtype for m in self.models)) for t, _, raws in ready]
-        i = 0
-        while i < len(ready):
-            size, dtypes = kinds[i]
-            j = i + 1
-            while (
-                j < len(ready)
-                and kinds[j] == kinds[i]
-                and (j - i + 1) * size <= STRIP_ELEMENTS * DTYPES[dtypes[0]].itemsize
-            ):
-                j += 1
-            self._strip(ready[i:j], dtypes)
-            i = j
+        """The ready blocks in order, grouped into strips as the statistics pass groups its
+        blocks (their bytes joined where a strip has several): rows block by block, the
+        experts in turn."""
+        ranges, at = [], 0
+        for _, _, raws in ready:
+            ranges.append((at, at + len(raws[0])))
+            at += len(raws[0])
+        kinds = [tuple(t.entries[m].dtype for m in self.models) for t, _, _ in ready]
+        for first, end in strips(ranges, [k[0] for k in kinds], kinds):
+            self._strip(ready[first:end], kinds[first])
 
     def _strip(self, group: list, dtypes: tuple) -> None:
         def joined(p: int):

@@ -160,7 +160,7 @@ def _entries_at_once(header: dict, data_start: int, file_size: int) -> list[Tens
             return None
         dtypes, shapes, offsets = zip(*map(_ENTRY, entries))
         sizes = list(map(_ITEMSIZE.__getitem__, dtypes))
-        if set(map(type, dtypes)) != {str} or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:
+        if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:  # a dtype is a key of _ITEMSIZE
             return None
         if set(map(len, offsets)) != {2}:
             return None
