@@ -3,7 +3,8 @@ one tensor per expert matrix) and as ~200 large ones, indexed and merged cold.
 
 Both families: 64 layers, bf16, about 1 GB per checkpoint, K experts (full fine-tune-like
 deltas from frontier_family.py's generator). "moe": per layer 512 experts × (gate, up, down)
-of 64 × 80; "dense": per layer 3 tensors of 32768 × 80. For each, the index pass and a
+of 64 × 80; "dense": per layer 3 tensors of 32768 × 80; tensors lie in each file in the
+order safetensors writes them (by name, for one dtype). For each, the index pass and a
 task_arithmetic merge at 100% as fresh processes (flows in process), the catalog's size and
 rows, and the saved plan's size; then a first merge on an empty catalog, which indexes the
 family on the way.
@@ -38,7 +39,8 @@ def shapes(kind: str) -> dict[str, tuple[int, ...]]:
                 out.update({f"{p}experts.{e}.{m}.weight": (ROWS, WIDTH) for e in range(MOE_EXPERTS)})
             else:
                 out[f"{p}{m}.weight"] = (ROWS * MOE_EXPERTS, WIDTH)
-    return out
+    # In file in the order safetensors' writer uses (by dtype, then name), as hubs ship them.
+    return dict(sorted(out.items()))
 
 
 def build(folder: Path, kind: str, experts: int) -> list[Path]:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import random
 import time
 from contextlib import contextmanager
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Iterator
@@ -100,8 +102,10 @@ def connect(
 def _ensure_schema(con: duckdb.DuckDBPyConnection, path: Path) -> None:
     """Create the schema, upgrade an earlier version's, or refuse a newer one."""
     con.execute("CREATE TABLE IF NOT EXISTS catalog_meta (key VARCHAR PRIMARY KEY, value VARCHAR NOT NULL)")
-    found = con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall()
-    version = found[0][0] if found else None
+    meta = dict(con.execute("SELECT key, value FROM catalog_meta").fetchall())
+    version = meta.get("schema_version")
+    if version == SCHEMA_VERSION and meta.get("schema_sha256") == _schema_sha256():
+        return  # this very schema (views and comments too) is in place: nothing to write
     if version is None:
         tables = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         if "block_stats" in tables:
@@ -124,3 +128,10 @@ def _ensure_schema(con: duckdb.DuckDBPyConnection, path: Path) -> None:
     con.execute(sql_text("schema.sql"))
     con.execute("INSERT OR IGNORE INTO catalog_meta VALUES ('schema_version', ?)", [SCHEMA_VERSION])
     con.execute(sql_text("comments.sql"))
+    # Last: with it recorded, later connections skip the statements above.
+    con.execute("INSERT OR REPLACE INTO catalog_meta VALUES ('schema_sha256', ?)", [_schema_sha256()])
+
+
+@lru_cache(maxsize=1)
+def _schema_sha256() -> str:
+    return hashlib.sha256((sql_text("schema.sql") + sql_text("comments.sql")).encode()).hexdigest()

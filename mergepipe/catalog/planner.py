@@ -4,6 +4,7 @@ budget (greedy + fill, fill_round.sql) or an error target (omitted_bound.sql).""
 from __future__ import annotations
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from mergepipe.catalog.db import sql_text
@@ -35,12 +36,15 @@ def rank_candidates(
             )
     tensors = sorted(coefficients)
     k = len(expert_fps)
+    # Columns built whole (numpy), tensor by tensor with the experts in turn.
     table = pa.table(
         {
-            "expert": pa.array([e for _ in tensors for e in range(k)], pa.int32()),
-            "expert_fp": pa.array([fp for _ in tensors for fp in expert_fps], pa.string()),
-            "tensor": pa.array([t for t in tensors for _ in range(k)], pa.string()),
-            "coefficient": pa.array([c for t in tensors for c in coefficients[t]], pa.float64()),
+            "expert": pa.array(np.tile(np.arange(k, dtype=np.int32), len(tensors))),
+            "expert_fp": pa.array(np.tile(np.array(expert_fps, dtype=object), len(tensors)), pa.string()),
+            "tensor": pa.array(np.repeat(np.array(tensors, dtype=object), k), pa.string()),
+            "coefficient": pa.array(
+                np.array([coefficients[t] for t in tensors], dtype=np.float64).reshape(-1), pa.float64()
+            ),
         }
     )
     con.register("plan_coefficients_in", table)

@@ -91,6 +91,14 @@ def _interpolate(values: list, t: float) -> float | bool:
     return (1 - frac) * values[i0] + frac * values[i1]
 
 
+def filters_of(setting: Setting) -> list[str]:
+    """The substrings a setting's conditions test tensor names for: evaluate depends on the
+    tensor's name through these alone."""
+    if isinstance(setting, list) and setting and isinstance(setting[0], dict):
+        return [c["filter"] for c in setting if c["filter"] not in (None, "*")]
+    return []
+
+
 def evaluate(setting: Setting, tensor: str, t: float) -> float | bool | None:
     """The value of a parsed setting for one tensor at layer position t; None if no condition
     matches (resolution then falls through to the next precedence level)."""

@@ -72,12 +72,12 @@ def _compute(t: torch.Tensor, compute_dtype: torch.dtype | None) -> torch.Tensor
 
 
 class TensorReads(NamedTuple):
-    """What one tensor's merge reads: the base tensor, and each expert's planned runs of rows
-    with the request that reads them (filled in for a tensor merged alone; a batch reads its
-    tensors' runs with requests of its own)."""
+    """What one tensor's merge reads: the base tensor, and each expert's planned runs of rows,
+    with the requests that read them (filled in for a tensor merged alone; a batch reads its
+    tensors' bytes with requests of its own)."""
 
     name: str
-    base: ReadRequest
+    base: ReadRequest | None
     runs: dict[int, list[tuple[int, int]]]
     experts: dict[int, ReadRequest]
 
@@ -141,12 +141,23 @@ class GroupMerger:
         # the staged bytes against before it trusts them.
         self.written = hashlib.sha256()
         self._needs: dict[str, TensorNeed] = {}
+        self._kinds: dict = {}  # tensor_need's, shared by tensors alike
+        self._paths: dict[tuple[int, str], str] = {}
+        inputs = plan.inputs
+        self._one_table = all(m.tensors is inputs[0].tensors for m in inputs[1:])  # plan.record.describe_inputs
+        # Bytes per element no tensor's merge exceeds (execute.memory's count at its largest):
+        # a tensor under per_group at this rate needs no closer look.
+        self._most_per_element = 8 * (len(inputs) + 1) + 4 * (3 + 2 * len(inputs))
         self.index = index or []
         self.tap: StatsTap | None = None
         self.index_result: dict | None = None
 
     def _path(self, model_index: int, file: str) -> str:
-        return join(self.plan.inputs[model_index].root, file)
+        key = (model_index, file)
+        path = self._paths.get(key)
+        if path is None:
+            path = self._paths[key] = join(self.plan.inputs[model_index].root, file)
+        return path
 
     def run(self, group: str) -> int:
         names = self.layout.groups[group]
@@ -154,17 +165,16 @@ class GroupMerger:
         if self.index:
             self.tap = StatsTap(self.plan.inputs, [k + 1 for k in self.index], self.plan.block_size, names)
             self.reader = _TappedReader(self.reader, self.tap)
-        wanted: dict[tuple[int, str], list[tuple[int, int, int]]] = defaultdict(list)
+        # tensor -> expert -> the planned blocks' rows
+        wanted: dict[str, dict[int, list[tuple[int, int]]]] = {}
         access = self.plan.access.filter(pc.is_in(self.plan.access["tensor"], value_set=pa.array(list(names))))
-        for e, t, b, r0, r1 in zip(
-            *(access[c].to_pylist() for c in ("expert", "tensor", "block", "row_start", "row_end"))
-        ):
-            wanted[(e, t)].append((b, r0, r1))
+        for e, t, r0, r1 in zip(*(access[c].to_pylist() for c in ("expert", "tensor", "row_start", "row_end"))):
+            wanted.setdefault(t, {}).setdefault(e, []).append((r0, r1))
         reads = [self._tensor_reads(name, wanted) for name in names]
         # The kernel reads the next tensors' ranges while these merge: one thread asks for them
         # (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors (or batches) ahead. A tensor
         # merged in passes over windows asks for its next window itself.
-        batches = [b if len(b) > 1 else [self._with_expert_requests(b[0])] for b in self._batches(reads)]
+        batches = [b if len(b) > 1 else [self._with_requests(b[0])] for b in self._batches(reads)]
         batch_reads = [self._batch_requests(b) if len(b) > 1 else None for b in batches]
         ahead = [
             planned[0] if planned else [] if self.op.windowed and self._too_large(b[0].name) else b[0].all_requests()
@@ -250,10 +260,12 @@ class GroupMerger:
         numel = math.prod(t.shape)
         if not self.op.elementwise or not DTYPES[t.dtype].is_float or not 0 < numel <= BATCH_TENSOR_ELEMENTS:
             return None, numel
-        if self.per_group is not None and self._too_large(r.name) is not None:
-            return None, numel
+        if self.per_group is not None and numel * self._most_per_element > self.per_group:
+            if self._too_large(r.name) is not None:
+                return None, numel
         out = self.layout.tensors[r.name]
-        experts = tuple((m.tensors[r.name].file, m.tensors[r.name].dtype) for m in self.plan.inputs[1:])
+        # (file, dtype) of each expert's tensor: the base's where they share its table
+        experts = None if self._one_table else tuple([m.tensors[r.name][:2] for m in self.plan.inputs[1:]])
         params = self.params.by_tensor.get(r.name, 0)
         return (t.file, t.dtype, out.shard, out.dtype, experts, params), numel
 
@@ -273,17 +285,20 @@ class GroupMerger:
         for t in tensors:
             offsets.append(offsets[-1] + math.prod(t.shape))
         gathers = [gather([(t.start, t.start + t.nbytes) for t in tensors])]
-        requests = [ReadRequest(batch[0].base.path, gathers[0].reads, "base", "base", tensors[0].file)]
+        requests = [ReadRequest(self._path(0, tensors[0].file), gathers[0].reads, "base", "base", tensors[0].file)]
         pieces: dict[int, list[tuple[int, int]]] = defaultdict(list)
         byte_ranges: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        inputs = self.plan.inputs
+        # A batch's tensors share each expert's dtype (_batch_key).
+        sizes = [DTYPES[m.tensors[first].dtype].itemsize for m in inputs[1:]]
         for r, off, t in zip(batch, offsets, tensors):
             width = math.prod(t.shape[1:])
             for k, runs in r.runs.items():
-                x = self.plan.inputs[k + 1].tensors[r.name]
-                size = DTYPES[x.dtype].itemsize
+                start = t.start if self._one_table else inputs[k + 1].tensors[r.name].start
+                step, pk, bk = width * sizes[k], pieces[k], byte_ranges[k]
                 for r0, r1 in runs:
-                    pieces[k].append((off + r0 * width, off + r1 * width))
-                    byte_ranges[k].append((x.start + r0 * width * size, x.start + r1 * width * size))
+                    pk.append((off + r0 * width, off + r1 * width))
+                    bk.append((start + r0 * step, start + r1 * step))
         for k in sorted(pieces):
             gathers.append(gather(byte_ranges[k]))
             requests.append(
@@ -330,23 +345,21 @@ class GroupMerger:
 
     def _tensor_reads(self, name: str, wanted: dict) -> TensorReads:
         """The ranges one tensor needs: the whole base tensor and, for a float tensor, each
-        expert's planned blocks, coalesced into runs of rows (the experts' requests come with
-        _with_expert_requests)."""
-        t = self.plan.inputs[0].tensors[name]
-        dt = DTYPES[t.dtype]
-        base = ReadRequest(self._path(0, t.file), [(t.start, t.start + t.nbytes)], "base", "base", t.file)
-        runs: dict[int, list[tuple[int, int]]] = {}
-        if dt.is_float:
-            for k in range(len(self.plan.inputs) - 1):
-                blocks = wanted.get((k, name))
-                if blocks:  # nothing planned: a zero delta, nothing read
-                    runs[k] = coalesce(sorted((r0, r1) for _, r0, r1 in blocks))
-        return TensorReads(name, base, runs, {})
+        expert's planned blocks, coalesced into runs of rows (the requests come with
+        _with_requests, for a tensor merged alone)."""
+        planned = wanted.get(name) if DTYPES[self.plan.inputs[0].tensors[name].dtype].is_float else None
+        # an expert with nothing planned (a zero delta) reads nothing
+        runs = {k: rows if len(rows) == 1 else coalesce(rows) for k, rows in sorted(planned.items())} if planned else {}
+        return TensorReads(name, None, runs, {})
 
-    def _with_expert_requests(self, reads: TensorReads) -> TensorReads:
-        """A tensor merged alone reads each expert's runs with a request of its own (a batch
-        builds its requests for all its tensors at once)."""
-        return reads._replace(experts={k: self._expert_request(k, reads.name, r) for k, r in reads.runs.items()})
+    def _with_requests(self, reads: TensorReads) -> TensorReads:
+        """A tensor merged alone reads its base bytes, and each expert's runs, with requests of
+        its own (a batch builds its requests for all its tensors at once)."""
+        t = self.plan.inputs[0].tensors[reads.name]
+        return reads._replace(
+            base=ReadRequest(self._path(0, t.file), [(t.start, t.start + t.nbytes)], "base", "base", t.file),
+            experts={k: self._expert_request(k, reads.name, r) for k, r in reads.runs.items()},
+        )
 
     def _merge_tensor(self, reads: TensorReads) -> None:
         """Read the base tensor, then each expert's planned rows, and merge.
@@ -425,7 +438,7 @@ class GroupMerger:
         """tensor_need, once per tensor (batching, prefetch and the merge each ask)."""
         need = self._needs.get(name)
         if need is None:
-            need = self._needs[name] = tensor_need(self.plan, self.layout, self.group, name, self.params)
+            need = self._needs[name] = tensor_need(self.plan, self.layout, self.group, name, self.params, self._kinds)
         return need
 
     def _windows(self, reads: TensorReads, need: TensorNeed) -> StoredWindows:
@@ -639,10 +652,23 @@ class Gather(NamedTuple):
     reads: list[tuple[int, int]]
     pieces: list[tuple[int, int, int]]
 
-    def join(self, buffers: list) -> bytearray:
-        """The wanted ranges' bytes, one after another in their order."""
+    def join(self, buffers: list) -> bytearray | memoryview:
+        """The wanted ranges' bytes, one after another in their order (the one read itself,
+        uncopied, where the wanted ranges are it, in file order)."""
+        if len(buffers) == 1 and _in_order(self.pieces):
+            return memoryview(buffers[0])
         views = [memoryview(b) for b in buffers]
         return bytearray().join(views[i][o : o + n] for i, o, n in self.pieces)
+
+
+def _in_order(pieces: list[tuple[int, int, int]]) -> bool:
+    """Whether pieces of one read follow each other from its start without gaps."""
+    at = 0
+    for _, offset, n in pieces:
+        if offset != at:
+            return False
+        at += n
+    return True
 
 
 def gather(ranges: list[tuple[int, int]]) -> Gather:

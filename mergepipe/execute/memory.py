@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from mergepipe.errors import BadInput
 from mergepipe.operators import ParamTable, get_operator
@@ -30,8 +31,8 @@ INDEXING_SHARE = 0.125
 MIN_SLAB_ELEMENTS = 1 << 16
 
 
-@dataclass(frozen=True)
-class TensorNeed:
+class TensorNeed(NamedTuple):
+    # A tuple: a plan of 100k tensors builds one per tensor.
     name: str
     group: str
     numel: int
@@ -72,32 +73,53 @@ class MemoryPlan:
         }
 
 
-def tensor_need(plan: Plan, layout: OutputLayout, group: str, name: str, table: ParamTable | None = None) -> TensorNeed:
-    """What merging one tensor holds; `table`: the plan's parameters, when the caller has them."""
-    op = get_operator(plan.merge_method)
+def tensor_need(
+    plan: Plan,
+    layout: OutputLayout,
+    group: str,
+    name: str,
+    table: ParamTable | None = None,
+    kinds: dict | None = None,
+) -> TensorNeed:
+    """What merging one tensor holds; `table`: the plan's parameters, when the caller has them;
+    `kinds`: a dict the caller keeps, where tensors alike (dtypes, shape, parameters) share
+    what they need."""
     t = plan.inputs[0].tensors[name]
-    dt = DTYPES[t.dtype]
+    table = table or plan.param_table()
+    out_dtype = layout.tensors[name].dtype
+    key = (t.dtype, t.shape, out_dtype, table.by_tensor.get(name, 0), *[m.tensors[name].dtype for m in plan.inputs[1:]])
+    kind = None if kinds is None else kinds.get(key)
+    if kind is None:
+        kind = _need_of(plan.merge_method, t.dtype, t.shape, key[4:], out_dtype, table.for_tensor(name))
+        if kinds is not None:
+            kinds[key] = kind
+    return TensorNeed(name, group, *kind)
+
+
+def _need_of(method: str, dtype: str, shape: tuple[int, ...], expert_dtypes, out_dtype: str, params) -> tuple:
+    """TensorNeed's fields after name and group, for a tensor of this kind."""
+    op = get_operator(method)
+    dt = DTYPES[dtype]
+    numel = math.prod(shape)
     if not dt.is_float:  # copied as stored
-        return TensorNeed(name, group, math.prod(t.shape), dt.itemsize, False)
-    numel = math.prod(t.shape)
+        return numel, dt.itemsize, False
     # Every form holds the stored base, the experts' stored rows and the output.
-    read = dt.itemsize + sum(DTYPES[m.tensors[name].dtype].itemsize for m in plan.inputs[1:])
-    per = read + DTYPES[layout.tensors[name].dtype].itemsize
+    read = dt.itemsize + sum(DTYPES[d].itemsize for d in expert_dtypes)
+    per = read + DTYPES[out_dtype].itemsize
     if op.elementwise:  # the fp32 base, an accumulator and one expert's widened rows
         per += 4 * 3
     elif op.has_slab_form:  # fp32 only per slab (slabs.py), the fp32 base when it is small
         per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
     else:  # whole fp32 tensors: the base, a few work buffers, each expert's values and delta
-        per += 4 * (3 + 2 * (len(plan.inputs) - 1))
-    params = (table or plan.param_table()).for_tensor(name)
-    windowed = op.windows_apply(params, tuple(t.shape))
+        per += 4 * (3 + 2 * len(expert_dtypes))
+    windowed = op.windows_apply(params, tuple(shape))
     passes = op.window_passes(params) if windowed else 1
-    return TensorNeed(name, group, numel, per, op.elementwise or windowed, read, passes)
+    return numel, per, op.elementwise or windowed, read, passes
 
 
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
-    table = plan.param_table()
-    return [tensor_need(plan, layout, g, name, table) for g, names in layout.groups.items() for name in names]
+    table, kinds = plan.param_table(), {}
+    return [tensor_need(plan, layout, g, name, table, kinds) for g, names in layout.groups.items() for name in names]
 
 
 def held(need: TensorNeed, per_group: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from functools import lru_cache
 
 _LAYER = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.")
 
@@ -32,6 +33,7 @@ def byte_range(start: int, shape: tuple[int, ...], itemsize: int, r0: int, r1: i
     return start + r0 * n, start + r1 * n
 
 
+@lru_cache(maxsize=1 << 18)  # the stages of a merge ask for each tensor in turn
 def layer_index(name: str) -> int | None:
     """The transformer layer a tensor belongs to, from its name; None outside the layers."""
     m = _LAYER.search(name)
@@ -52,6 +54,7 @@ def layer_position(name: str, n_layers: int) -> float:
     return i / (n_layers - 1) if n_layers > 1 else 1.0
 
 
+@lru_cache(maxsize=1 << 18)
 def layer_group(name: str) -> str:
     """The execution group of a tensor: its transformer layer, or embeddings / head / other."""
     i = layer_index(name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import itemgetter
 
 from mergepipe.config.spec import MODEL_LOCATION, expert_label
 from mergepipe.errors import BadInput
@@ -36,9 +37,21 @@ class Family:
         return sorted(self.base.tensors)
 
 
+def _shapes_and_dtypes(model: ModelFiles, names: list[str]) -> tuple[list, list]:
+    infos = [loc.info for loc in map(model.tensors.__getitem__, names)]
+    return list(map(itemgetter(2), infos)), list(map(itemgetter(1), infos))
+
+
+def _dtypes_agree(base: str, expert: str) -> bool:
+    """Floating dtypes may differ across a family; any other must be the base's."""
+    return base == expert or (DTYPES[base].is_float and DTYPES[expert].is_float)
+
+
 def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
     """Same tensor names and shapes everywhere; floating dtypes may differ, others may not."""
     names = set(base.tensors)
+    order = sorted(names)
+    base_shapes, base_dtypes = _shapes_and_dtypes(base, order)
     for i, e in enumerate(experts):
         who = f"expert {i} ({e.uri})"
         # A single file that holds part of a model looks like a family mismatch: say what is wanted.
@@ -49,18 +62,23 @@ def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
         missing = sorted(names - set(e.tensors))
         if missing:
             raise BadInput(f"{who}: tensor {missing[0]!r} of the base model is missing{hint}")
-        for name in sorted(names):
+        if e.tensors == base.tensors:  # the base's very layout (one library saved them all)
+            continue
+        shapes, dtypes = _shapes_and_dtypes(e, order)
+        if shapes == base_shapes and all(_dtypes_agree(*pair) for pair in set(zip(base_dtypes, dtypes))):
+            continue  # else find the first tensor that disagrees, and name it
+        for name in order:
             b, x = base.tensors[name].info, e.tensors[name].info
             if b.shape != x.shape:
                 raise BadInput(f"{who}: tensor {name!r} has shape {list(x.shape)}, the base has {list(b.shape)}")
-            bf, xf = DTYPES[b.dtype].is_float, DTYPES[x.dtype].is_float
-            if bf != xf or (not bf and b.dtype != x.dtype):
+            if not _dtypes_agree(b.dtype, x.dtype):
                 raise BadInput(f"{who}: tensor {name!r} has dtype {x.dtype}, the base has {b.dtype}")
 
 
 def load_family(base_uri: str, expert_uris: list[str], reader: RangeReader) -> Family:
     """Read every header (never tensor data) and check the family before anything else runs."""
-    base = read_model(base_uri, reader, "base")
-    experts = [read_model(u, reader, expert_label(i)) for i, u in enumerate(expert_uris)]
+    parsed: dict = {}  # headers the family's models share are parsed once
+    base = read_model(base_uri, reader, "base", parsed)
+    experts = [read_model(u, reader, expert_label(i), parsed) for i, u in enumerate(expert_uris)]
     validate_family(base, experts)
     return Family(base, experts)

@@ -15,6 +15,7 @@ import hashlib
 import threading
 from bisect import bisect_right
 
+import numpy as np
 import pyarrow as pa
 
 from mergepipe.config.spec import expert_label
@@ -74,15 +75,17 @@ class _Tensor:
     def __init__(self, name: str, entries: list, models: list[int], block_size: int) -> None:
         base = entries[0]
         self.name = name
+        self.layer = layer_group(name)
         self.shape = tuple(base.shape)
         self.is_float = DTYPES[base.dtype].is_float
         self.entries = {m: entries[m] for m in models}  # input positions: 0 (the base), then each indexed expert
-        self.streams = {m: _Stream(entries[m].nbytes) for m in models}
+        self.nbytes = {m: entries[m].nbytes for m in models}
+        self.streams = {m: _Stream(n) for m, n in self.nbytes.items()}
         self.rows = block_rows(self.shape, DTYPES[base.dtype].itemsize, block_size)
+        width = row_elems(self.shape)
+        self.row_bytes = {m: width * DTYPES[entries[m].dtype].itemsize for m in models}
+        self.kind = tuple(entries[m].dtype for m in models)  # what the statistics pass groups strips by
         self.next = 0  # the first block not yet measured
-
-    def row_bytes(self, m: int) -> int:
-        return row_elems(self.shape) * DTYPES[self.entries[m].dtype].itemsize
 
 
 class StatsTap:
@@ -104,7 +107,7 @@ class StatsTap:
             by_file: dict[str, list[tuple[int, int, str]]] = {}
             for name in names:
                 e = inputs[m].tensors[name]
-                by_file.setdefault(e.file, []).append((e.start, e.start + e.nbytes, name))
+                by_file.setdefault(e.file, []).append((e.start, e.start + self.tensors[name].nbytes[m], name))
             for file, starts in by_file.items():
                 # Zero-size tensors share their start with the next tensor: by end too, so the
                 # last tensor starting at or before a range's start is the one that holds it.
@@ -129,7 +132,7 @@ class StatsTap:
                     while j < len(starts) and starts[j] < b:
                         t = self.tensors[names[j]]
                         e = t.entries[m]
-                        lo, hi = max(a, e.start), min(b, e.start + e.nbytes)
+                        lo, hi = max(a, e.start), min(b, e.start + t.nbytes[m])
                         if lo < hi:
                             try:
                                 t.streams[m].offer(lo - e.start, view[lo - a : hi - a])
@@ -145,17 +148,16 @@ class StatsTap:
     def _measure(self, t: _Tensor, ready: list) -> None:
         """Every block of `t` whose bytes have all arrived goes to `ready` with its bytes of
         each model; then only what follows them is kept."""
+        rb = t.row_bytes
         if t.is_float:
-            while t.next < len(t.rows) and all(
-                s.seen >= t.rows[t.next][1] * t.row_bytes(m) for m, s in t.streams.items()
-            ):
+            while t.next < len(t.rows) and all(s.seen >= t.rows[t.next][1] * rb[m] for m, s in t.streams.items()):
                 r0, r1 = t.rows[t.next]
-                raws = [t.streams[m].take(r0 * t.row_bytes(m), r1 * t.row_bytes(m)) for m in self.models]
+                raws = [t.streams[m].take(r0 * rb[m], r1 * rb[m]) for m in self.models]
                 ready.append((t, t.next, raws))
                 t.next += 1
         for m, s in t.streams.items():
             # a float tensor keeps from its first unmeasured block; any other needs only its hash
-            upto = min(t.rows[t.next][0] * t.row_bytes(m), s.seen) if t.is_float and t.next < len(t.rows) else s.seen
+            upto = min(t.rows[t.next][0] * rb[m], s.seen) if t.is_float and t.next < len(t.rows) else s.seen
             s.release(upto)
 
     def _measure_strips(self, ready: list) -> None:
@@ -166,7 +168,7 @@ class StatsTap:
         for _, _, raws in ready:
             ranges.append((at, at + len(raws[0])))
             at += len(raws[0])
-        kinds = [tuple(t.entries[m].dtype for m in self.models) for t, _, _ in ready]
+        kinds = [t.kind for t, _, _ in ready]
         for first, end in strips(ranges, [k[0] for k in kinds], kinds):
             self._strip(ready[first:end], kinds[first])
 
@@ -176,18 +178,39 @@ class StatsTap:
 
         base_raw = joined(0)
         base64, base_sq = base_strip(base_raw, dtypes[0], len(group))
-        measured = [delta_strip(base_raw, dtypes[0], base64, joined(p), dtypes[p]) for p in range(1, len(self.models))]
-        for i, (t, b, raws) in enumerate(group):
-            r0, r1 = t.rows[b]
-            for col, value in zip(
-                BLOCKS_SCHEMA.names, (t.name, b, layer_group(t.name), r0, r1, len(raws[0]), float(base_sq[i]))
-            ):
-                self.blocks[col].append(value)
-            for p, (sq, mx, nnz) in enumerate(measured, start=1):
-                row = (self.inputs[self.models[p]].model_fp, t.name, b, len(raws[p]))
-                values = (*row, float(sq[i]), float(mx[i]), int(nnz[i]), block_hash(raws[p]))
-                for col, value in zip(STATS_SCHEMA.names, values):
-                    self.stats[col].append(value)
+        experts = range(1, len(self.models))
+        measured = [delta_strip(base_raw, dtypes[0], base64, joined(p), dtypes[p]) for p in experts]
+        # Columns extended a strip at a time: block by block, the experts in turn.
+        rows = [t.rows[b] for t, b, _ in group]
+        for col, values in zip(
+            BLOCKS_SCHEMA.names,
+            (
+                [t.name for t, _, _ in group],
+                [b for _, b, _ in group],
+                [t.layer for t, _, _ in group],
+                [r0 for r0, _ in rows],
+                [r1 for _, r1 in rows],
+                [len(raws[0]) for _, _, raws in group],
+                base_sq.tolist(),
+            ),
+        ):
+            self.blocks[col].extend(values)
+        k = len(measured)
+        if not k:
+            return
+        fps = [self.inputs[self.models[p]].model_fp for p in experts]
+        for col, values in zip(
+            STATS_SCHEMA.names,
+            (
+                fps * len(group),
+                [t.name for t, _, _ in group for _ in experts],
+                [b for _, b, _ in group for _ in experts],
+                [len(raws[p]) for _, _, raws in group for p in experts],
+                *(np.column_stack([m[c] for m in measured]).reshape(-1).tolist() for c in range(3)),
+                [block_hash(raws[p]) for _, _, raws in group for p in experts],
+            ),
+        ):
+            self.stats[col].extend(values)
 
     def result(self) -> dict:
         """What a layer group's task returns (JSON): the statistics rows, the base's block rows,

@@ -84,6 +84,15 @@ class MergeParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", dict(self.values))  # slab loops look values up often
+        # A table of 100k tensors hashes its sets once per tensor.
+        object.__setattr__(self, "_hash", hash((self.n_experts, self.values, self.base)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        # Rebuilt from the fields where unpickled: str hashes differ from process to process.
+        return (MergeParams, (self.n_experts, self.values, self.base))
 
     def __getitem__(self, name: str) -> Any:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 
 from mergepipe.catalog import db, planner, records
@@ -179,20 +180,29 @@ def full_read_plan(
         planner.select_within_bytes(con, full)
         known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     new = {fp for i, fp in enumerate(expert_fps) if i in unindexed}
-    cols: dict[str, list] = {f: [] for f in ACCESS_SCHEMA.names}
+    # Every nonempty block of every float tensor, once; then each new expert's rows of them.
+    names, numbers, starts, ends, widths = [], [], [], [], []
     for name in sorted(family.base.tensors):
         info = family.base.tensors[name].info
         if not DTYPES[info.dtype].is_float:
             continue
-        blocks = block_rows(info.shape, DTYPES[info.dtype].itemsize, spec.block_size_bytes)
-        for i, fp in enumerate(expert_fps):
-            if fp not in new:
-                continue
-            row_bytes = row_elems(info.shape) * DTYPES[family.experts[i].tensors[name].info.dtype].itemsize
-            for b, (r0, r1) in enumerate(blocks):
-                if r1 > r0:
-                    for col, value in zip(ACCESS_SCHEMA.names, (i, name, b, r0, r1, (r1 - r0) * row_bytes)):
-                        cols[col].append(value)
-    access = pa.concat_tables([known, pa.table(cols, schema=ACCESS_SCHEMA)])
+        width = row_elems(info.shape)
+        for b, (r0, r1) in enumerate(block_rows(info.shape, DTYPES[info.dtype].itemsize, spec.block_size_bytes)):
+            if r1 > r0:
+                names.append(name)
+                numbers.append(b)
+                starts.append(r0)
+                ends.append(r1)
+                widths.append(width)
+    rows = np.asarray(ends, dtype=np.int64) - np.asarray(starts, dtype=np.int64)
+    rows *= np.asarray(widths, dtype=np.int64)
+    parts = [known]
+    for i, fp in enumerate(expert_fps):
+        if fp in new:
+            tensors = family.experts[i].tensors
+            itemsize = np.fromiter((DTYPES[tensors[n].info.dtype].itemsize for n in names), np.int64, len(names))
+            columns = [np.full(len(names), i, dtype=np.int32), names, numbers, starts, ends, rows * itemsize]
+            parts.append(pa.table(dict(zip(ACCESS_SCHEMA.names, columns)), schema=ACCESS_SCHEMA))
+    access = pa.concat_tables(parts)
     pending = {fp: f"unindexed:{fp}" for fp in [family.base_fp, *new] if fp not in content}
     return build_plan(spec, family, {**content, **pending}, access, budget_bytes=full, bound=0.0, params=table)

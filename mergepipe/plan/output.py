@@ -4,7 +4,8 @@ so layer tasks can write their tensors in place, in any order, on any worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, NamedTuple
 
 from mergepipe.index.blocks import layer_group
 from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, build_header, tensor_nbytes
@@ -23,8 +24,8 @@ def group_sort_key(group: str) -> tuple[int, str]:
     return (3, group)
 
 
-@dataclass(frozen=True)
-class OutputTensor:
+class OutputTensor(NamedTuple):
+    # A tuple: an output of 100k tensors has one each.
     name: str
     dtype: str
     shape: tuple[int, ...]
@@ -85,8 +86,9 @@ def plan_output(entries: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes
     out_shards, out_tensors = [], {}
     for shard_name, members in zip(names, shards):
         header, ranges = build_header([(m, entries[m][0], entries[m][1]) for m in members])
+        make = partial(tuple.__new__, OutputTensor)  # in C: OutputTensor's own __new__ is Python
         for m, (s, e) in zip(members, ranges):
-            out_tensors[m] = OutputTensor(m, entries[m][0], entries[m][1], shard_name, s, e)
+            out_tensors[m] = make((m, *entries[m], shard_name, s, e))
         total = ranges[-1][1] if ranges else len(header)
         out_shards.append(OutputShard(shard_name, header, total, tuple(members)))
     return OutputLayout(tuple(out_shards), out_tensors, {g: tuple(groups[g]) for g in ordered_groups})
@@ -101,7 +103,8 @@ def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype:
 
 
 def output_layout_of(plan: Plan) -> OutputLayout:
-    entries = {
-        name: (output_dtype(plan.dtype, plan.out_dtype, t.dtype), t.shape) for name, t in plan.inputs[0].tensors.items()
+    dtypes = {
+        d: output_dtype(plan.dtype, plan.out_dtype, d) for d in {t.dtype for t in plan.inputs[0].tensors.values()}
     }
+    entries = {name: (dtypes[t.dtype], t.shape) for name, t in plan.inputs[0].tensors.items()}
     return plan_output(entries, plan.out_shard_size)

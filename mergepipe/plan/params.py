@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from typing import Any, NamedTuple
 
-from mergepipe.config.settings import evaluate
+from mergepipe.config.settings import evaluate, filters_of
 from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import layer_count, layer_position
@@ -38,6 +38,11 @@ class _Settings(NamedTuple):
             [parameter_values(entry.parameters) for _, entry in spec.expert_entries],
             parameter_values(base.parameters) if base is not None else None,
         )
+
+    def filters(self) -> tuple[str, ...]:
+        """Every substring a condition of any level tests tensor names for."""
+        levels = [self.shared, *self.experts] + ([self.base] if self.base is not None else [])
+        return tuple(sorted({f for level in levels for s in level.values() for f in filters_of(s)}))
 
 
 def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> MergeParams:
@@ -118,7 +123,21 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     names = sorted(tensor_names)
     n_layers = layer_count(names)
     settings = _Settings.of(spec)
-    table = ParamTable.build({name: _resolve(spec, settings, name, layer_position(name, n_layers)) for name in names})
+    # A tensor's parameters depend on its name through its layer position and the filters it
+    # matches: each distinct (position, matches) is resolved once, for the first tensor (in
+    # name order) that has it, so a refusal names the same tensor as resolving each would.
+    filters = settings.filters()
+    resolved: dict[tuple, MergeParams] = {}
+    distinct: dict[MergeParams, MergeParams] = {}
+    per_tensor = {}
+    for name in names:
+        t = layer_position(name, n_layers)
+        key = (t, *(f in name for f in filters))
+        params = resolved.get(key)
+        if params is None:  # one object for equal sets: the table then compares them by identity
+            params = resolved[key] = distinct.setdefault(p := _resolve(spec, settings, name, t), p)
+        per_tensor[name] = params
+    table = ParamTable.build(per_tensor)
     with _last_lock:
         _last = (spec, tensor_names, table)
     return table

@@ -11,15 +11,20 @@ import hashlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
+from functools import partial
+from operator import itemgetter
 from typing import NamedTuple
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.index.family import Family, model_fingerprint
 from mergepipe.operators import ParamTable, get_operator
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.storage.canonical import digest_of, round_sig
+from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.safetensors_format import tensor_nbytes
 
 ACCESS_SCHEMA = pa.schema(
@@ -37,10 +42,16 @@ ACCESS_SCHEMA = pa.schema(
 def access_set_sha256(access: pa.Table) -> str:
     """Canonical hash of an access set: sorted (expert, tensor, block) lines, independent of
     row order and of the Parquet writer's version."""
-    rows = sorted(zip(access["expert"].to_pylist(), access["tensor"].to_pylist(), access["block"].to_pylist()))
+    # Built in Arrow: its sort orders strings by UTF-8 bytes, which is Python's code point order.
+    order = pc.sort_indices(access, [(c, "ascending") for c in ("expert", "tensor", "block")])
+    rows = access.take(order)
+    block = pc.binary_join_element_wise(rows["block"].cast(pa.string()), "\n", "")
+    lines = pc.binary_join_element_wise(rows["expert"].cast(pa.string()), rows["tensor"], block, "\t")
     h = hashlib.sha256()
-    for e, t, b in rows:
-        h.update(f"{e}\t{t}\t{b}\n".encode())
+    for chunk in lines.chunks:
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
+        if len(chunk):
+            h.update(memoryview(chunk.buffers()[2])[offsets[0] : offsets[-1]])
     return h.hexdigest()
 
 
@@ -77,24 +88,54 @@ class InputModel:
     tensors: dict[str, TensorEntry]
     sidecars: list[str] = field(default_factory=list)
 
-    def as_json(self) -> dict:
+    def as_json(self, same_as: int | None = None) -> dict:
+        """same_as: the position of an earlier input with this very table, recorded instead."""
         # Field by field: dataclasses.asdict would deep-copy every TensorEntry first.
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensors"}
         data["files"] = {s: dict(fp) for s, fp in self.files.items()}
         data["sidecars"] = list(self.sidecars)
-        data["tensors"] = {n: [t.file, t.dtype, list(t.shape), t.start] for n, t in self.tensors.items()}
+        if same_as is not None:
+            data["tensors_as"] = same_as
+        else:
+            data["tensors"] = {n: [t.file, t.dtype, list(t.shape), t.start] for n, t in self.tensors.items()}
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> "InputModel":
-        tensors = {n: TensorEntry(f, d, tuple(shape), start) for n, (f, d, shape, start) in data["tensors"].items()}
+    def from_json(cls, data: dict, earlier: list["InputModel"] = ()) -> "InputModel":
+        data = dict(data)
+        if "tensors_as" in data:
+            tensors = earlier[data.pop("tensors_as")].tensors
+        else:
+            tensors = dict(
+                zip(
+                    data["tensors"],
+                    map(
+                        partial(tuple.__new__, TensorEntry),
+                        ((f, d, tuple(shape), start) for f, d, shape, start in data["tensors"].values()),
+                    ),
+                )
+            )
         return cls(**{**data, "tensors": tensors})
 
 
+def _entries(model: ModelFiles) -> dict[str, TensorEntry]:
+    names = sorted(model.tensors)
+    infos = [loc.info for loc in map(model.tensors.__getitem__, names)]
+    columns = map(itemgetter(0), map(model.tensors.__getitem__, names)), *(map(itemgetter(i), infos) for i in (1, 2, 3))
+    return dict(zip(names, map(partial(tuple.__new__, TensorEntry), zip(*columns))))
+
+
 def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]:
-    out = []
+    """The inputs as a plan records them. Models whose tensors lie exactly where an earlier
+    one's do (the usual family: one layout, saved by one library) share its table."""
+    out: list[InputModel] = []
+    tables: list[tuple[ModelFiles, dict[str, TensorEntry]]] = []
     for role, model in [("base", family.base)] + [(expert_label(i), e) for i, e in enumerate(family.experts)]:
         fp = model_fingerprint(model)
+        tensors = next((t for m, t in tables if m.tensors == model.tensors), None)
+        if tensors is None:
+            tensors = _entries(model)
+            tables.append((model, tensors))
         out.append(
             InputModel(
                 role=role,
@@ -103,10 +144,7 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
                 model_fp=fp,
                 content_sha256=content[fp],
                 files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},
-                tensors={
-                    n: TensorEntry(loc.file, loc.info.dtype, tuple(loc.info.shape), loc.info.start)
-                    for n, loc in sorted(model.tensors.items())
-                },
+                tensors=tensors,
                 sidecars=list(model.sidecars),
             )
         )
@@ -171,14 +209,18 @@ class Plan:
     def as_json(self) -> dict:
         """Everything but the access set (saved beside it as a table)."""
         data = {k: v for k, v in self.__dict__.items() if k not in ("access", "inputs")}
-        data["inputs"] = [i.as_json() for i in self.inputs]
+        tables = [i.tensors for i in self.inputs]
+        data["inputs"] = [
+            i.as_json(next((j for j in range(k) if tables[j] is i.tensors), None)) for k, i in enumerate(self.inputs)
+        ]
         return data
 
     @classmethod
     def from_json(cls, data: dict, access: pa.Table) -> "Plan":
-        return cls(
-            **{**data, "inputs": [InputModel.from_json(i) for i in data["inputs"]]}, access=access.cast(ACCESS_SCHEMA)
-        )
+        inputs: list[InputModel] = []
+        for i in data["inputs"]:
+            inputs.append(InputModel.from_json(i, inputs))
+        return cls(**{**data, "inputs": inputs}, access=access.cast(ACCESS_SCHEMA))
 
 
 def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int, access_sha: str) -> str:
@@ -194,7 +236,11 @@ def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int
 
 
 def full_expert_bytes(family: Family) -> int:
-    return sum(loc.info.nbytes for e in family.experts for loc in e.tensors.values())
+    total = 0
+    for e in family.experts:
+        infos = list(map(itemgetter(1), e.tensors.values()))
+        total += sum(map(itemgetter(4), infos)) - sum(map(itemgetter(3), infos))
+    return total
 
 
 def build_plan(
@@ -218,8 +264,8 @@ def build_plan(
     access_sha = access_set_sha256(access)
     spec_content = spec.content()
     planned = [0] * len(family.experts)
-    for e, b in zip(access["expert"].to_pylist(), access["bytes"].to_pylist()):
-        planned[e] += b
+    for row in access.group_by("expert").aggregate([("bytes", "sum")]).to_pylist():
+        planned[row["expert"]] = row["bytes_sum"]
     full = full_expert_bytes(family)
     return Plan(
         plan_digest=plan_digest_of(spec_content, inputs, spec.block_size_bytes, access_sha),

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import repeat
+from operator import itemgetter
+from typing import NamedTuple
 
 from mergepipe.errors import BadInput
 from mergepipe.storage.fingerprints import FileFingerprint
@@ -34,8 +38,8 @@ SIDECAR_FILES = (
 )
 
 
-@dataclass(frozen=True)
-class TensorLocation:
+class TensorLocation(NamedTuple):
+    # A tuple (as TensorInfo is): a model of 100k tensors builds 100k of them.
     file: str  # shard name relative to the model folder
     info: TensorInfo
 
@@ -99,9 +103,14 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
     raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
 
 
-def read_model(uri: str, reader: RangeReader, label: str) -> ModelFiles:
-    """Discover the files, fingerprint them, and read each header with two small ranged reads."""
+def read_model(uri: str, reader: RangeReader, label: str, parsed: dict | None = None) -> ModelFiles:
+    """Discover the files, fingerprint them, and read each header with two small ranged reads.
+
+    `parsed`: a dict the caller keeps across the models of a family. A shard whose name, size
+    and header bytes are another's (the usual family: one layout saved by one library) takes
+    that one's checked tensors instead of parsing the same header again."""
     model, weight_map = discover(uri)
+    parsed = {} if parsed is None else parsed
     for shard in model.shards:
         path = model.path(shard)
         fp = fingerprint(path)
@@ -110,15 +119,24 @@ def read_model(uri: str, reader: RangeReader, label: str) -> ModelFiles:
         n = header_length(bytes(prefix), fp.size, path)
         raw = bytes(reader.read(path, 8, 8 + n, role="header", model=label, file=shard))
         model.header_bytes[shard] = bytes(prefix) + raw
-        tensors, _ = parse_header(raw, fp.size, path)
-        for t in tensors:
-            if t.name in model.tensors:
-                raise BadInput(f"{uri}: tensor {t.name!r} appears in both {model.tensors[t.name].file} and {shard}")
-            if weight_map is not None and weight_map.get(t.name) != shard:
+        key = (shard, fp.size, raw)
+        if key not in parsed:
+            tensors, _ = parse_header(raw, fp.size, path)
+            names = list(map(itemgetter(0), tensors))
+            parsed[key] = names, list(map(partial(tuple.__new__, TensorLocation), zip(repeat(shard), tensors)))
+        names, locations = parsed[key]
+        twice = model.tensors.keys() & names
+        if twice:
+            name = next(n for n in names if n in twice)
+            raise BadInput(f"{uri}: tensor {name!r} appears in both {model.tensors[name].file} and {shard}")
+        if weight_map is not None:
+            elsewhere = [n for n in names if weight_map.get(n) != shard]
+            if elsewhere:
                 raise BadInput(
-                    f"{model.path(INDEX_FILE)}: tensor {t.name!r} is in {shard} but the weight_map says {weight_map.get(t.name)!r}"
+                    f"{model.path(INDEX_FILE)}: tensor {elsewhere[0]!r} is in {shard} but the weight_map says "
+                    f"{weight_map.get(elsewhere[0])!r}"
                 )
-            model.tensors[t.name] = TensorLocation(shard, t)
+        model.tensors.update(zip(names, locations))
     if weight_map is not None:
         missing = sorted(set(weight_map) - set(model.tensors))
         if missing:

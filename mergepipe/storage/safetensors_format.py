@@ -7,9 +7,13 @@ import json
 import math
 import struct
 from dataclasses import dataclass
+from functools import partial
 from itertools import chain
+from json.encoder import encode_basestring_ascii as _quoted
 from operator import itemgetter
 from typing import NamedTuple
+
+import numpy as np
 
 from mergepipe import torch
 from mergepipe.errors import BadInput
@@ -175,16 +179,28 @@ def _entries_at_once(header: dict, data_start: int, file_size: int) -> list[Tens
             return None
     except (KeyError, TypeError, ValueError):
         return None
+    # tuple.__new__ through partial: the tuples are built in C (TensorInfo's own __new__ is a
+    # Python function, a call per tensor).
     return list(
         map(
-            TensorInfo,
-            names,
-            dtypes,
-            map(tuple, shapes),
-            [data_start + a for a in starts],
-            [data_start + b for b in ends],
+            partial(tuple.__new__, TensorInfo),
+            zip(names, dtypes, map(tuple, shapes), map(data_start.__add__, starts), map(data_start.__add__, ends)),
         )
     )
+
+
+def _first_overlap(tensors: list[TensorInfo]) -> tuple[TensorInfo, TensorInfo] | None:
+    """Two tensors whose byte ranges overlap (the first such neighbours in file order), if any."""
+    if len(tensors) < 2:
+        return None
+    starts = np.fromiter(map(itemgetter(3), tensors), dtype=np.int64, count=len(tensors))
+    ends = np.fromiter(map(itemgetter(4), tensors), dtype=np.int64, count=len(tensors))
+    order = np.lexsort((ends, starts))
+    clash = np.flatnonzero(starts[order[1:]] < ends[order[:-1]])
+    if clash.size == 0:
+        return None
+    i = int(clash[0])
+    return tensors[order[i]], tensors[order[i + 1]]
 
 
 def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorInfo], dict]:
@@ -206,25 +222,32 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
     tensors = _entries_at_once(header, data_start, file_size)
     if tensors is None:  # something is wrong: find it, entry by entry, and name it
         tensors = _entries_one_by_one(header, data_start, file_size, source)
-    ordered = sorted(tensors, key=lambda t: (t.start, t.end))
-    for a, b in zip(ordered, ordered[1:]):
-        if b.start < a.end:
-            raise BadInput(f"{source}: tensors {a.name!r} and {b.name!r} overlap")
+    overlap = _first_overlap(tensors)
+    if overlap is not None:
+        a, b = overlap
+        raise BadInput(f"{source}: tensors {a.name!r} and {b.name!r} overlap")
     return tensors, metadata
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:
     """Header bytes (length prefix included) for tensors laid out in the given order, and each
     tensor's absolute (start, end) in the file."""
-    body: dict = {"__metadata__": {"format": "pt"}}
+    # The text json.dumps(..., separators=(",", ":")) gives for the header's dict, written
+    # entry by entry (a dict per tensor cost more than the text).
+    parts = ['{"__metadata__":{"format":"pt"}']
     offset = 0
     relative = []
     for name, dtype, shape in entries:
         n = math.prod(shape) * DTYPES[dtype].itemsize
-        body[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        dims = ",".join(map(str, shape))
+        parts.append(
+            f',{_quoted(name)}:{{"dtype":{_quoted(dtype)},"shape":[{dims}],"data_offsets":[{offset},{offset + n}]}}'
+        )
         relative.append((offset, offset + n))
         offset += n
-    raw = json.dumps(body, separators=(",", ":")).encode()
+    if len(relative) != len({name for name, _, _ in entries}):
+        raise ValueError("a tensor name given twice")
+    raw = ("".join(parts) + "}").encode()
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
     prefix = struct.pack("<Q", len(raw)) + raw
     return prefix, [(len(prefix) + s, len(prefix) + e) for s, e in relative]
