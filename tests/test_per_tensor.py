@@ -23,11 +23,13 @@ from mergepipe.errors import BadInput
 from mergepipe.flows.merge import plan as plan_flow
 from mergepipe.index.blocks import layer_count, layer_position
 from mergepipe.index.family import load_family
+from mergepipe.index.stats import content_digest
 from mergepipe.operators.base import MergeParams
 from mergepipe.plan import saved
 from mergepipe.plan.params import resolve_params, resolve_tensor_params
 from mergepipe.plan.record import ACCESS_SCHEMA, Plan, access_set_sha256
 from mergepipe.storage import model_files
+from mergepipe.storage.canonical import plain_json, sha256_hex
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES, build_header
 
@@ -188,3 +190,16 @@ def test_built_header_text_is_what_json_writes_for_its_dict():
     assert prefix[8:] == text + b" " * (-len(text) % 8)
     with pytest.raises(ValueError, match="twice"):
         build_header([("a", "F32", (1,)), ("a", "F32", (2,))])
+
+
+def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path):
+    names = ["a.weight", "é.weight", 'q"uote', "z\u4e2d", "\U0001f600", "scalar", "B"]
+    tensors = {n: torch.ones(i % 3 + 1, 2).to(torch.bfloat16) for i, n in enumerate(names)}
+    tensors["scalar"] = torch.tensor(1.5)
+    folder = write_model(tmp_path / "m", tensors, 1, sidecars=False)
+    with RangeReader() as reader:
+        model = load_family(str(folder), [], reader).base
+    hashes = {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
+    entries = {n: [loc.info.dtype, list(loc.info.shape), hashes[n]] for n, loc in model.tensors.items()}
+    expected = sha256_hex(plain_json(entries))
+    assert content_digest(hashes, model) == expected

@@ -635,6 +635,12 @@ class _RowSteps:
 def _adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """Byte ranges in the order given, each joined to the one before it where they touch: the
     bytes read, in order, are the same."""
+    if len(ranges) > 64:  # in numpy: a batch has one range per tensor
+        bounds = np.asarray(ranges, dtype=np.int64)
+        apart = bounds[1:, 0] != bounds[:-1, 1]
+        firsts = bounds[np.concatenate(([True], apart)), 0].tolist()
+        lasts = bounds[np.concatenate((apart, [True])), 1].tolist()
+        return list(zip(firsts, lasts))
     out: list[tuple[int, int]] = []
     for a, b in ranges:
         if out and out[-1][1] == a:
@@ -650,29 +656,24 @@ class Gather(NamedTuple):
     range, in its order, (read, offset in it, length)."""
 
     reads: list[tuple[int, int]]
-    pieces: list[tuple[int, int, int]]
+    pieces: list[tuple[int, int, int]]  # empty where in_order
+    in_order: bool = False  # the wanted ranges are one read's bytes, in file order
 
     def join(self, buffers: list) -> bytearray | memoryview:
         """The wanted ranges' bytes, one after another in their order (the one read itself,
-        uncopied, where the wanted ranges are it, in file order)."""
-        if len(buffers) == 1 and _in_order(self.pieces):
+        uncopied, where they are in order)."""
+        if self.in_order:
             return memoryview(buffers[0])
         views = [memoryview(b) for b in buffers]
         return bytearray().join(views[i][o : o + n] for i, o, n in self.pieces)
 
 
-def _in_order(pieces: list[tuple[int, int, int]]) -> bool:
-    """Whether pieces of one read follow each other from its start without gaps."""
-    at = 0
-    for _, offset, n in pieces:
-        if offset != at:
-            return False
-        at += n
-    return True
-
-
 def gather(ranges: list[tuple[int, int]]) -> Gather:
-    reads = _adjacent(sorted(ranges))
+    ordered = sorted(ranges)
+    reads = _adjacent(ordered)
+    # One read of ranges in file order, each starting where the last ended: the read is them.
+    if len(reads) == 1 and ordered == ranges:
+        return Gather(reads, [], True)
     starts = [a for a, _ in reads]
     pieces = []
     for a, b in ranges:

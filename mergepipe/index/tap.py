@@ -12,8 +12,10 @@ have arrived; only the bytes of blocks not yet complete are kept between batches
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from bisect import bisect_right
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -71,20 +73,34 @@ class _Stream:
         self.pieces = [(max(upto, self.pieces[0][0]), memoryview(bytearray().join(tail)))] if tail else []
 
 
+class _Kind(NamedTuple):
+    """What tensors of one shape and one dtype per model share."""
+
+    kind: tuple[str, ...]  # each model's dtype: what the statistics pass groups strips by
+    is_float: bool
+    rows: list[tuple[int, int]]  # the blocks' rows
+    nbytes: dict[int, int]  # per model
+    row_bytes: dict[int, int]
+
+    @classmethod
+    def of(cls, shape: tuple[int, ...], kind: tuple[str, ...], models: list[int], block_size: int) -> "_Kind":
+        width, sizes = row_elems(shape), [DTYPES[d].itemsize for d in kind]
+        return cls(
+            kind,
+            DTYPES[kind[0]].is_float,
+            block_rows(shape, sizes[0], block_size),
+            {m: math.prod(shape) * n for m, n in zip(models, sizes)},
+            {m: width * n for m, n in zip(models, sizes)},
+        )
+
+
 class _Tensor:
-    def __init__(self, name: str, entries: list, models: list[int], block_size: int) -> None:
-        base = entries[0]
+    def __init__(self, name: str, entries: dict, kind: _Kind) -> None:
         self.name = name
         self.layer = layer_group(name)
-        self.shape = tuple(base.shape)
-        self.is_float = DTYPES[base.dtype].is_float
-        self.entries = {m: entries[m] for m in models}  # input positions: 0 (the base), then each indexed expert
-        self.nbytes = {m: entries[m].nbytes for m in models}
+        self.entries = entries  # input positions: 0 (the base), then each indexed expert
+        self.kind, self.is_float, self.rows, self.nbytes, self.row_bytes = kind
         self.streams = {m: _Stream(n) for m, n in self.nbytes.items()}
-        self.rows = block_rows(self.shape, DTYPES[base.dtype].itemsize, block_size)
-        width = row_elems(self.shape)
-        self.row_bytes = {m: width * DTYPES[entries[m].dtype].itemsize for m in models}
-        self.kind = tuple(entries[m].dtype for m in models)  # what the statistics pass groups strips by
         self.next = 0  # the first block not yet measured
 
 
@@ -101,8 +117,14 @@ class StatsTap:
         # Per (input position, file): tensor starts in order, to find the tensors a range spans.
         self._files: dict[tuple[int, str], tuple[list[int], list[str]]] = {}
         self._position = {inp.role: i for i, inp in enumerate(inputs)}
+        kinds: dict[tuple, _Kind] = {}
         for name in names:
-            self.tensors[name] = _Tensor(name, [inp.tensors[name] for inp in inputs], self.models, block_size)
+            entries = {m: inputs[m].tensors[name] for m in self.models}
+            key = (entries[0].shape, *[e.dtype for e in entries.values()])
+            kind = kinds.get(key)
+            if kind is None:
+                kind = kinds[key] = _Kind.of(entries[0].shape, key[1:], self.models, block_size)
+            self.tensors[name] = _Tensor(name, entries, kind)
         for m in self.models:
             by_file: dict[str, list[tuple[int, int, str]]] = {}
             for name in names:
