@@ -150,6 +150,8 @@ def test_access_set_hash_is_the_sorted_lines_hash(n):
     expected = _line_by_line_sha256(access)
     assert access_set_sha256(access) == access_set_sha256(chunked) == expected
     assert access_set_sha256(access.slice(1)) == _line_by_line_sha256(access.slice(1))
+    large = pa.schema([f.with_type(pa.large_string()) if f.name == "tensor" else f for f in ACCESS_SCHEMA])
+    assert access_set_sha256(access.cast(large)) == expected
 
 
 def test_catalog_schema_is_written_once_and_again_when_it_changed(tmp_path):

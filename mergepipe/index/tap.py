@@ -217,8 +217,7 @@ class StatsTap:
             ),
         ):
             self.blocks[col].extend(values)
-        k = len(measured)
-        if not k:
+        if not measured:
             return
         fps = [self.inputs[self.models[p]].model_fp for p in experts]
         for col, values in zip(

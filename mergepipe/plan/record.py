@@ -45,13 +45,16 @@ def access_set_sha256(access: pa.Table) -> str:
     # Built in Arrow: its sort orders strings by UTF-8 bytes, which is Python's code point order.
     order = pc.sort_indices(access, [(c, "ascending") for c in ("expert", "tensor", "block")])
     rows = access.take(order)
-    block = pc.binary_join_element_wise(rows["block"].cast(pa.string()), "\n", "")
-    lines = pc.binary_join_element_wise(rows["expert"].cast(pa.string()), rows["tensor"], block, "\t")
+    text = pa.large_string()  # 64-bit offsets, whatever the table's string type
+    block = pc.binary_join_element_wise(rows["block"].cast(text), pa.scalar("\n", text), pa.scalar("", text))
+    lines = pc.binary_join_element_wise(
+        rows["expert"].cast(text), rows["tensor"].cast(text), block, pa.scalar("\t", text)
+    )
     h = hashlib.sha256()
     for chunk in lines.chunks:
-        offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32)[chunk.offset : chunk.offset + len(chunk) + 1]
-        if len(chunk):
-            h.update(memoryview(chunk.buffers()[2])[offsets[0] : offsets[-1]])
+        if len(chunk):  # the lines' bytes lie one after another in the chunk's data buffer
+            offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int64)
+            h.update(memoryview(chunk.buffers()[2])[offsets[chunk.offset] : offsets[chunk.offset + len(chunk)]])
     return h.hexdigest()
 
 
