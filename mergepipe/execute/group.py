@@ -23,6 +23,7 @@ from mergepipe.execute.memory import (
     WHOLE_BASE_BYTES,
     TensorNeed,
     element_runs,
+    most_per_element,
     slab_elements,
     tensor_need,
     window_plan,
@@ -145,9 +146,8 @@ class GroupMerger:
         self._paths: dict[tuple[int, str], str] = {}
         inputs = plan.inputs
         self._one_table = all(m.tensors is inputs[0].tensors for m in inputs[1:])  # plan.record.describe_inputs
-        # Bytes per element no tensor's merge exceeds (execute.memory's count at its largest):
-        # a tensor under per_group at this rate needs no closer look.
-        self._most_per_element = 8 * (len(inputs) + 1) + 4 * (3 + 2 * len(inputs))
+        # A tensor under per_group at this rate needs no closer look.
+        self._most_per_element = most_per_element(len(inputs))
         self.index = index or []
         self.tap: StatsTap | None = None
         self.index_result: dict | None = None

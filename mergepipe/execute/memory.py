@@ -117,6 +117,12 @@ def _need_of(method: str, dtype: str, shape: tuple[int, ...], expert_dtypes, out
     return numel, per, op.elementwise or windowed, read, passes
 
 
+def most_per_element(n_inputs: int) -> int:
+    """Bytes per element that no tensor's need (_need_of) exceeds, with n_inputs models (the
+    base and the experts): 8-byte dtypes throughout and the whole-tensor form's buffers."""
+    return 8 * (n_inputs + 1) + 4 * (3 + 2 * n_inputs)
+
+
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
     table, kinds = plan.param_table(), {}
     return [tensor_need(plan, layout, g, name, table, kinds) for g, names in layout.groups.items() for name in names]
