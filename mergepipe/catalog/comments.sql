@@ -150,5 +150,5 @@ COMMENT ON COLUMN merge_history.error_bound IS 'the plan''s predicted bound';
 COMMENT ON COLUMN merge_history.wall_seconds IS 'wall time in seconds';
 
 COMMENT ON TABLE catalog_meta IS 'facts about the catalog itself, such as its schema version';
-COMMENT ON COLUMN catalog_meta.key IS 'what (schema_version, ...)';
+COMMENT ON COLUMN catalog_meta.key IS 'what: schema_version, or schema_sha256 (the digest of the schema statements a connection last ran)';
 COMMENT ON COLUMN catalog_meta.value IS 'its value';
