@@ -159,3 +159,58 @@ def test_merges_read_directly_and_stepped_give_the_same_bytes(method, bf16_famil
     budget = 2 * max(n.least for n in memory.tensor_needs(*saved.load(plain["plan_dir"])))
     streamed = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=catalog, memory=str(budget))
     assert streamed["digest"] == plain["digest"] and streamed["bytes"] == plain["bytes"]
+
+
+def test_a_direct_read_buffer_is_reused_only_once_nothing_refers_to_it(tmp_path, monkeypatch):
+    """The mapping a direct read filled is taken again only after every view and array made
+    from it is gone; its bytes are then the new range's, and all free ones go when the last
+    reader closes."""
+    import numpy as np
+
+    from mergepipe import torch
+
+    grain = reader_module.DirectBuffers.GRAIN  # these reads are short: mappings in pages
+    path = tmp_path / "big.bin"
+    payload = os.urandom(3 * grain)
+    path.write_bytes(payload)
+    monkeypatch.setattr(reader_module, "DIRECT_MIN_BYTES", 0)
+    pool = reader_module.DirectBuffers()
+    monkeypatch.setattr(reader_module, "DIRECT_BUFFERS", pool)
+
+    def read(r, a, b):
+        return r.read(str(path), a, b, role="expert", model="expert-0", file="big.bin")
+
+    def address(view):
+        return np.frombuffer(view, dtype=np.uint8).ctypes.data
+
+    with RangeReader() as r:
+        first = read(r, 8, grain)
+        where = address(first) - 8
+        array = np.frombuffer(first, dtype=np.uint8)[100:]
+        tensor = torch.frombuffer(first[16:], dtype=torch.uint8)
+        del first
+        held = read(r, 0, grain)  # the first mapping is still referred to: a new one
+        assert address(held) != where
+        assert bytes(held) == payload[:grain]
+        del array
+        other = read(r, 0, grain)
+        assert address(other) != where  # the tensor still refers to it
+        del tensor, other
+        again = read(r, PAGE, 3 * PAGE - 8)  # two pages: a longer free mapping holds them
+        assert address(again) == where  # the least recently taken of equal ones
+        assert bytes(again) == payload[PAGE : 3 * PAGE - 8]
+        assert pool.held() == (3 * grain, grain)
+        # A longer read than any free mapping drops free ones first, so the total stays put.
+        del again
+        longer = read(r, 0, 2 * grain + 8)
+        assert bytes(longer) == payload[: 2 * grain + 8]
+        assert pool.held() == (3 * grain + PAGE, 0)  # `held` and the new mapping
+        with RangeReader() as inner:
+            read(inner, 0, 8)
+        assert pool.held() == (3 * grain + 2 * PAGE, PAGE)  # another reader's close keeps the pool
+        del longer, held
+        assert pool.held() == (3 * grain + 2 * PAGE,) * 2
+    assert pool.held() == (0, 0)
+    # Long mappings come in whole huge pages; untouched, they cost no memory here.
+    assert len(pool.take(pool.GRAIN_FROM - 1)) == pool.GRAIN_FROM
+    assert len(pool.take(pool.GRAIN_FROM + 1)) == pool.GRAIN_FROM + grain

@@ -288,6 +288,11 @@ def test_base_bytes_where_no_delta_equal_the_formula_bit_for_bit(dtype, lam, wei
 
     expected = np.frombuffer(formula(base), dtype=uint)
     got = np.frombuffer(base_bits(memoryview(bits.tobytes()), dtype, formula), dtype=uint)
+    # A writable buffer (a read's own) is rewritten in place, to the same bits.
+    own = bytearray(bits.tobytes())
+    in_place = np.frombuffer(base_bits(memoryview(own), dtype, formula), dtype=uint)
+    assert np.array_equal(in_place, got)
+    assert bytes(own) == in_place.tobytes()
     # A NaN's payload after torch's casts depends on how many elements are cast at once (its
     # vectorized paths differ), so the formula itself gives no single answer there: NaN must
     # stay NaN; every other element must have exactly the formula's bits.
@@ -295,6 +300,35 @@ def test_base_bytes_where_no_delta_equal_the_formula_bit_for_bit(dtype, lam, wei
     nan_got = torch.from_numpy(got.copy()).view(DTYPES[dtype].torch).isnan().numpy()
     assert np.array_equal(nan_got, nan_expected) and nan_expected.sum() >= 4
     assert np.array_equal(got[~nan_expected], expected[~nan_expected])
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64"])
+@pytest.mark.parametrize("step", [1, 7, 1 << 16])
+def test_special_positions_equal_the_exponent_and_mantissa_test(dtype, step, monkeypatch):
+    """Zeros, subnormals and NaN found by the wrapped subtraction, a step at a time, are
+    exactly those whose exponent bits are all zero, or all one with a mantissa: every 16-bit
+    pattern, and for wider dtypes the edges of each class and random bits."""
+    import numpy as np
+
+    from mergepipe.execute import group
+
+    monkeypatch.setattr(group, "SPECIAL_STEP", step)
+    uint, exponent, mantissa = group._FLOAT_BITS[dtype]
+    if uint == np.uint16:
+        bits = np.arange(1 << 16, dtype=np.uint32).astype(uint)
+    else:
+        sign = uint(1 << (np.iinfo(uint).bits - 1))
+        edges = [0, 1, mantissa, mantissa + 1, exponent - 1, exponent, exponent + 1, exponent | mantissa]
+        edges = np.array(edges, dtype=uint)
+        rng = np.random.default_rng(1)
+        bits = np.concatenate([edges, edges | sign, rng.integers(0, np.iinfo(uint).max, 3000, dtype=uint)])
+    if step == 1 and bits.size > 4000:
+        bits = bits[::37]  # one element at a time is slow; every class is still there
+    e = bits & uint(exponent)
+    expected = np.flatnonzero((e == 0) | ((e == uint(exponent)) & ((bits & uint(mantissa)) != 0)))
+    assert expected.size > 0
+    assert np.array_equal(group.special_positions(bits, dtype), expected)
+    assert group.special_positions(bits[:0], dtype).size == 0
 
 
 def _reversed_copy(family, root):

@@ -737,20 +737,43 @@ _FLOAT_BITS = {
     "F32": (np.uint32, 0x7F800000, 0x007FFFFF),
     "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
 }
+# Elements tested at a time: the work arrays stay in the core's cache, and none is allocated
+# per slab (fresh pages, which the kernel zeroes, cost more than the test).
+SPECIAL_STEP = 1 << 16
+
+
+def special_positions(bits: np.ndarray, dtype: str) -> np.ndarray:
+    """Where `bits` (a float dtype's stored bits) hold a zero, a subnormal or a NaN. Without
+    its sign an element is one of those exactly when it lies outside [smallest normal,
+    infinity], which one unsigned subtraction and compare test (below the range it wraps)."""
+    uint, exponent, mantissa = _FLOAT_BITS[dtype]
+    magnitude, lowest, span = uint(np.iinfo(uint).max >> 1), uint(mantissa + 1), uint(exponent - mantissa - 1)
+    n = min(bits.size, SPECIAL_STEP)
+    work, flags = np.empty(n, dtype=uint), np.empty(n, dtype=bool)
+    found = []
+    for c0 in range(0, bits.size, SPECIAL_STEP):
+        part = bits[c0 : c0 + SPECIAL_STEP]
+        w, f = work[: part.size], flags[: part.size]
+        np.bitwise_and(part, magnitude, out=w)
+        np.subtract(w, lowest, out=w)
+        np.greater(w, span, out=f)
+        if f.any():
+            found.append(np.flatnonzero(f) + c0)
+    return np.concatenate(found) if found else np.empty(0, dtype=np.intp)
 
 
 def base_bits(raw: memoryview, dtype: str, formula) -> memoryview:
     """What base + a zero gives, cast back to the base's dtype, for elements stored as `raw`:
     the same bits, except for zeros (-0 + +0 is +0), subnormals and NaN (whose payload the
     casts may change: torch's depend on how many elements are cast at once), which `formula`
-    computes from their stored values (a 1-row tensor)."""
-    uint, exponent, mantissa = _FLOAT_BITS[dtype]
+    computes from their stored values (a 1-row tensor). Those are written over `raw` where it
+    is writable (a read's own buffer, not read again), so no slab is copied."""
+    uint = _FLOAT_BITS[dtype][0]
     bits = np.frombuffer(raw, dtype=uint)
-    e = bits & uint(exponent)
-    special = np.flatnonzero((e == 0) | ((e == uint(exponent)) & ((bits & uint(mantissa)) != 0)))
+    special = special_positions(bits, dtype)
     if special.size == 0:
         return raw
-    out = bits.copy()
     stored = decode(bytearray(bits[special].tobytes()), dtype, (1, special.size))
+    out = bits if bits.flags.writeable else bits.copy()
     out[special] = np.frombuffer(formula(stored), dtype=uint)
     return memoryview(out).cast("B")

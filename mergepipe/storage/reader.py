@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass
@@ -85,6 +86,8 @@ class RangeReader:
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
+        self._open = True
+        DIRECT_BUFFERS.reader_opened()
 
     def _fd(self, path: str) -> int:
         with self._lock:
@@ -180,6 +183,9 @@ class RangeReader:
                     os.close(fd)
             self._fds.clear()
             self._direct_fds.clear()
+            was_open, self._open = self._open, False
+        if was_open:
+            DIRECT_BUFFERS.reader_closed()
 
     def __enter__(self) -> "RangeReader":
         return self
@@ -211,12 +217,90 @@ def _read_direct(path: str, fd: int, start: int, end: int) -> memoryview:
     (page-aligned), returned as a writable view of just the range."""
     a0 = start - start % DIRECT_ALIGN
     a1 = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
-    buf = mmap.mmap(-1, a1 - a0, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)  # a fault per 2 MiB, not per 4 KiB page
-    view = memoryview(buf)
+    # The mapping may be longer than the pages asked for (a reused one): read only those.
+    view = DIRECT_BUFFERS.take(a1 - a0)[: a1 - a0]
     _read_into(path, fd, view, a0, end - a0)
     return view[start - a0 : end - a0]
+
+
+class DirectBuffers:
+    """The anonymous mappings direct reads fill, kept for reuse once nothing refers to them.
+
+    The kernel zeroes a fresh mapping's pages as they are first touched, which costs more CPU
+    than the read itself; a mapping reused holds pages already there. A mapping is free when
+    no view of it is alive: every view, and every array made from one, holds its buffer export,
+    which holds a reference to the mapping (CPython's reference count tells; the baseline is
+    measured, not assumed). A read takes the smallest free mapping that holds it. Memory stays
+    within what the reads held at their peak: a new mapping is made only when every free one is
+    shorter, and free ones at least as large in all are dropped first, least recently used first.
+    All free ones go when the last open RangeReader closes."""
+
+    # Long mappings are made in whole huge pages, so that slabs of about one size share them;
+    # short ones in pages, so that rounding never adds more than a sixteenth.
+    GRAIN = 2 << 20
+    GRAIN_FROM = 16 * GRAIN
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: list[mmap.mmap] = []  # least recently taken first
+        self._readers = 0
+        probe = [mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)]
+        self._free_refs = self._refs(probe, 0)  # a mapping only this list refers to
+        probe[0].close()
+
+    @staticmethod
+    def _refs(maps: list[mmap.mmap], i: int) -> int:
+        return sys.getrefcount(maps[i])
+
+    def _free(self) -> list[int]:
+        return [i for i in range(len(self._maps)) if self._refs(self._maps, i) == self._free_refs]
+
+    def take(self, size: int) -> memoryview:
+        """A writable view of at least `size` bytes of a mapping nobody else uses."""
+        grain = self.GRAIN if size >= self.GRAIN_FROM else mmap.PAGESIZE
+        size = -(-size // grain) * grain
+        with self._lock:
+            free = self._free()
+            fits = [i for i in free if len(self._maps[i]) >= size]
+            if fits:  # the smallest that holds it: its pages beyond `size` stay as they are
+                buf = self._maps.pop(min(fits, key=lambda i: len(self._maps[i])))
+            else:  # every free one is shorter: drop enough of them to make room for this one
+                dropped, drop = 0, set()
+                for i in free:
+                    if dropped >= size:
+                        break
+                    drop.add(i)
+                    dropped += len(self._maps[i])
+                for i in drop:
+                    self._maps[i].close()
+                self._maps = [m for i, m in enumerate(self._maps) if i not in drop]
+                buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    buf.madvise(mmap.MADV_HUGEPAGE)  # a fault per 2 MiB, not per 4 KiB page
+            self._maps.append(buf)
+            return memoryview(buf)  # made under the lock: no other thread sees this one free
+
+    def held(self) -> tuple[int, int]:
+        """Bytes mapped, and bytes of them free."""
+        with self._lock:
+            return sum(len(m) for m in self._maps), sum(len(self._maps[i]) for i in self._free())
+
+    def reader_opened(self) -> None:
+        with self._lock:
+            self._readers += 1
+
+    def reader_closed(self) -> None:
+        with self._lock:
+            self._readers -= 1
+            if self._readers:
+                return
+            for i in self._free():
+                self._maps[i].close()
+            # mappings still in use are left to their views, and unmapped when those go
+            self._maps = []
+
+
+DIRECT_BUFFERS = DirectBuffers()
 
 
 def _read_into(path: str, fd: int, view: memoryview, start: int, need: int) -> None:

@@ -195,10 +195,12 @@ def write_at(path: Path, offset: int, data: bytes | memoryview, ledger: ByteLedg
 def sha256_file(path: Path, ledger: ByteLedger | None = None, role: str = "checksum") -> tuple[str, int]:
     h = hashlib.sha256()
     size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(remote.HASH_CHUNK):
-            h.update(chunk)
-            size += len(chunk)
+    # One buffer read into again and again: a fresh chunk per read is fresh pages to zero.
+    buf = memoryview(bytearray(remote.HASH_CHUNK))
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(buf[:n])
+            size += n
     if ledger is not None:
         ledger.add(role, "output", path.name, size)
     return h.hexdigest(), size
