@@ -312,7 +312,7 @@ def test_special_positions_equal_the_exponent_and_mantissa_test(dtype, step, mon
 
     from mergepipe.execute import group
 
-    monkeypatch.setattr(group, "SPECIAL_STEP", step)
+    monkeypatch.setattr(group, "ELEMENT_STEP", step)
     uint, exponent, mantissa = group._FLOAT_BITS[dtype]
     if uint == np.uint16:
         bits = np.arange(1 << 16, dtype=np.uint32).astype(uint)

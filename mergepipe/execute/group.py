@@ -737,22 +737,20 @@ _FLOAT_BITS = {
     "F32": (np.uint32, 0x7F800000, 0x007FFFFF),
     "F64": (np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
 }
-# Elements tested at a time: the work arrays stay in the core's cache, and none is allocated
-# per slab (fresh pages, which the kernel zeroes, cost more than the test).
-SPECIAL_STEP = 1 << 16
 
 
 def special_positions(bits: np.ndarray, dtype: str) -> np.ndarray:
     """Where `bits` (a float dtype's stored bits) hold a zero, a subnormal or a NaN. Without
     its sign an element is one of those exactly when it lies outside [smallest normal,
-    infinity], which one unsigned subtraction and compare test (below the range it wraps)."""
+    infinity], which one unsigned subtraction and compare test (below the range it wraps).
+    A step at a time, in work arrays allocated once, as an elementwise merge steps."""
     uint, exponent, mantissa = _FLOAT_BITS[dtype]
     magnitude, lowest, span = uint(np.iinfo(uint).max >> 1), uint(mantissa + 1), uint(exponent - mantissa - 1)
-    n = min(bits.size, SPECIAL_STEP)
+    n = min(bits.size, ELEMENT_STEP)
     work, flags = np.empty(n, dtype=uint), np.empty(n, dtype=bool)
     found = []
-    for c0 in range(0, bits.size, SPECIAL_STEP):
-        part = bits[c0 : c0 + SPECIAL_STEP]
+    for c0 in range(0, bits.size, ELEMENT_STEP):
+        part = bits[c0 : c0 + ELEMENT_STEP]
         w, f = work[: part.size], flags[: part.size]
         np.bitwise_and(part, magnitude, out=w)
         np.subtract(w, lowest, out=w)
