@@ -205,3 +205,14 @@ def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path):
     entries = {n: [loc.info.dtype, list(loc.info.shape), hashes[n]] for n, loc in model.tensors.items()}
     expected = sha256_hex(plain_json(entries))
     assert content_digest(hashes, model) == expected
+    # Entry texts are kept for the next model of the same layout; another layout, and other
+    # hashes, give their own digest.
+    other = write_model(tmp_path / "o", {**tensors, "B": torch.ones(3, 3).to(torch.bfloat16)}, 1, sidecars=False)
+    with RangeReader() as reader:
+        model_b = load_family(str(other), [], reader).base
+        empty = load_family(str(write_model(tmp_path / "e", {}, 1, sidecars=False)), [], reader).base
+    assert content_digest(hashes, model_b) == sha256_hex(plain_json({**entries, "B": ["BF16", [3, 3], hashes["B"]]}))
+    hashes["a.weight"] = "0" * 64
+    entries["a.weight"][2] = hashes["a.weight"]
+    assert content_digest(hashes, model) == sha256_hex(plain_json(entries))
+    assert content_digest({}, empty) == sha256_hex(plain_json({}))

@@ -25,7 +25,7 @@ from mergepipe.flows.orchestration import call_with_retries, in_process, run_tas
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.stats import first_nonfinite
-from mergepipe.index.tap import tap_stats
+from mergepipe.index.tap import tap_stats, unchanged_blocks
 from mergepipe.plan import saved
 from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
@@ -233,11 +233,7 @@ def index_from_merge(ex: Execution, parts: list[dict]) -> tuple[Plan, str]:
         plan_merge, spec, first.family, {**first.content, **result.content}, ex.request.catalog
     )
     fps = first.family.expert_fps()
-    unchanged = {
-        (fp, t, b)
-        for fp, t, b, nnz in zip(*(result.stats[c].to_pylist() for c in ("expert_fp", "tensor", "block", "nnz_delta")))
-        if nnz == 0
-    }
+    unchanged = {(fp, t, b) for fp, t, b, _ in unchanged_blocks(result.stats)}
     executed = ex.plan.access
     expected = {
         (e, t, b)
@@ -259,11 +255,8 @@ def _count_as_index(part: dict, executed: Plan, ledger: ByteLedger) -> int:
     positions: dict[str, list[int]] = {}
     for k, inp in enumerate(executed.inputs[1:]):
         positions.setdefault(inp.model_fp, []).append(k)
-    stats = part["stats"]
     moved = 0
-    for fp, tensor, nnz, nbytes in zip(stats["expert_fp"], stats["tensor"], stats["nnz_delta"], stats["bytes"]):
-        if nnz:
-            continue
+    for fp, tensor, _, nbytes in unchanged_blocks(part["stats"]):
         for k in positions[fp]:
             inp = executed.inputs[k + 1]
             file = inp.tensors[tensor].file

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import operator
 import os
 import threading
 from collections import deque
@@ -140,14 +141,28 @@ def block_hash(raw) -> str:
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
     """SHA-256 of plain_json({name: [dtype, shape, tensor hash]}) over the model's tensors: the
     same text, written entry by entry (a list per tensor and the encoder's key sort cost more
-    than the text, for 100k tensors)."""
-    tensors = model.tensors
-    entries = []
-    for name in sorted(tensors):
+    than the text, for 100k tensors). Each entry's text before its hash is shared by the models
+    of one layout (a family saved alike)."""
+    names, heads = _entry_heads(model.tensors)
+    body = '"],'.join(map(operator.add, heads, map(tensor_hashes.__getitem__, names)))
+    return sha256_hex(("{" + body + ('"]}' if names else "}")).encode("ascii"))
+
+
+_HEADS: list[tuple[dict, list[str], list[str]]] = []  # the last few tables' names and entry heads
+
+
+def _entry_heads(tensors: dict) -> tuple[list[str], list[str]]:
+    """The names in order and each entry's text up to its hash: `"name":["dtype",[dims],"`."""
+    for table, names, heads in _HEADS:
+        if table is tensors or table == tensors:  # models of one layout hold equal tables
+            return names, heads
+    names = sorted(tensors)
+    heads = []
+    for name in names:
         info = tensors[name].info
-        dims = ",".join(map(str, info.shape))
-        entries.append(f"{_quoted(name)}:[{_quoted(info.dtype)},[{dims}],{_quoted(tensor_hashes[name])}]")
-    return sha256_hex(("{" + ",".join(entries) + "}").encode("ascii"))
+        heads.append(f'{_quoted(name)}:[{_quoted(info.dtype)},[{",".join(map(str, info.shape))}],"')
+    _HEADS[:] = [(tensors, names, heads), *_HEADS[:3]]
+    return names, heads
 
 
 @dataclass

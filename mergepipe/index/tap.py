@@ -1,12 +1,15 @@
 """Block statistics taken from bytes a merge reads anyway: a new family's first merge that reads
 every block indexes it in the same pass (no second read of any expert byte).
 
-The tap is handed each batch of bytes as it is read, tensor by tensor, and computes what the
-statistics pass (index.stats) computes with the same functions, in strips of equal blocks as
-that pass does, so the rows, hashes and content digests are the same as that pass's. Bytes must
-come in order within each (model, tensor); bytes seen before (a pass over windows read again)
-are skipped. A block is measured once the base's bytes and every indexed expert's bytes of it
-have arrived; only the bytes of blocks not yet complete are kept between batches.
+The tap is handed each batch of bytes as it is read and computes what the statistics pass
+(index.stats) computes with the same functions, in strips of equal blocks as that pass does, so
+the rows, hashes and content digests are the same as that pass's. A tensor whose bytes come
+whole for every model in one batch (the usual case: the merge reads a tensor, or a run of small
+ones, from every model at once, and models saved alike share one layout) is hashed and measured
+straight from the batch's buffers. Any other tensor's bytes are streamed: they must come in
+order within each (model, tensor), bytes seen before (a pass over windows read again) are
+skipped, a block is measured once the base's bytes and every indexed expert's bytes of it have
+arrived, and only the bytes of blocks not yet complete are kept between batches.
 """
 
 from __future__ import annotations
@@ -14,11 +17,13 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from mergepipe.config.spec import expert_label
 from mergepipe.errors import MergepipeError
@@ -35,6 +40,10 @@ from mergepipe.index.stats import (
     strips,
 )
 from mergepipe.storage.safetensors_format import DTYPES
+
+HASHES_SCHEMA = pa.schema([("role", pa.string()), ("tensor", pa.string()), ("sha256", pa.string())])
+
+_NONE, _STREAMED, _DONE = 0, 1, 2  # a tensor's state: no bytes yet, streamed, hashed and measured
 
 
 class _Stream:
@@ -79,29 +88,27 @@ class _Kind(NamedTuple):
     kind: tuple[str, ...]  # each model's dtype: what the statistics pass groups strips by
     is_float: bool
     rows: list[tuple[int, int]]  # the blocks' rows
-    nbytes: dict[int, int]  # per model
-    row_bytes: dict[int, int]
+    nbytes: tuple[int, ...]  # per model, in the tap's order (base first)
+    row_bytes: tuple[int, ...]
 
     @classmethod
-    def of(cls, shape: tuple[int, ...], kind: tuple[str, ...], models: list[int], block_size: int) -> "_Kind":
+    def of(cls, shape: tuple[int, ...], kind: tuple[str, ...], block_size: int) -> "_Kind":
         width, sizes = row_elems(shape), [DTYPES[d].itemsize for d in kind]
         return cls(
             kind,
             DTYPES[kind[0]].is_float,
             block_rows(shape, sizes[0], block_size),
-            {m: math.prod(shape) * n for m, n in zip(models, sizes)},
-            {m: width * n for m, n in zip(models, sizes)},
+            tuple(math.prod(shape) * n for n in sizes),
+            tuple(width * n for n in sizes),
         )
 
 
-class _Tensor:
-    def __init__(self, name: str, entries: dict, kind: _Kind) -> None:
-        self.name = name
-        self.layer = layer_group(name)
-        self.entries = entries  # input positions: 0 (the base), then each indexed expert
-        self.kind, self.is_float, self.rows, self.nbytes, self.row_bytes = kind
-        self.streams = {m: _Stream(n) for m, n in self.nbytes.items()}
-        self.next = 0  # the first block not yet measured
+class _Streamed:
+    """A tensor whose bytes are streamed: each model's stream, and the first block not yet measured."""
+
+    def __init__(self, kind: _Kind) -> None:
+        self.streams = [_Stream(n) for n in kind.nbytes]
+        self.next = 0
 
 
 class StatsTap:
@@ -110,166 +117,277 @@ class StatsTap:
 
     def __init__(self, inputs: list, experts: list[int], block_size: int, names: list[str]) -> None:
         self.inputs = inputs
-        self.experts = experts
-        self.models = [0, *experts]
+        self.models = [0, *experts]  # input positions; the tap's own order (p) is this list's
         self._lock = threading.Lock()
-        self.tensors: dict[str, _Tensor] = {}
-        # Per (input position, file): tensor starts in order, to find the tensors a range spans.
-        self._files: dict[tuple[int, str], tuple[list[int], list[str]]] = {}
-        self._position = {inp.role: i for i, inp in enumerate(inputs)}
+        self.names = list(names)
+        self._number = {n: i for i, n in enumerate(self.names)}
+        self._position = {inp.role: self.models.index(i) for i, inp in enumerate(inputs) if i in self.models}
+        # Every tapped model's tensors lie where the base's do (plan.record.describe_inputs shares
+        # one table among them): one model's file index serves all, and their bytes line up.
+        self._shared = all(inputs[m].tensors is inputs[0].tensors for m in self.models)
         kinds: dict[tuple, _Kind] = {}
-        for name in names:
-            entries = {m: inputs[m].tensors[name] for m in self.models}
-            key = (entries[0].shape, *[e.dtype for e in entries.values()])
+        self.kinds: list[_Kind] = []
+        for name in self.names:
+            entries = [inputs[m].tensors[name] for m in self.models]
+            key = (entries[0].shape, *[e.dtype for e in entries])
             kind = kinds.get(key)
             if kind is None:
-                kind = kinds[key] = _Kind.of(entries[0].shape, key[1:], self.models, block_size)
-            self.tensors[name] = _Tensor(name, entries, kind)
-        for m in self.models:
-            by_file: dict[str, list[tuple[int, int, str]]] = {}
-            for name in names:
+                kind = kinds[key] = _Kind.of(entries[0].shape, key[1:], block_size)
+            self.kinds.append(kind)
+        self.state = [_NONE] * len(self.names)
+        self.hashes: list[list[str | None]] = [[None] * len(self.names) for _ in self.models]
+        self._streamed: dict[int, _Streamed] = {}
+        for i, kind in enumerate(self.kinds):
+            if not any(kind.nbytes):  # nothing will be read: hashed now, and no blocks
+                self.state[i] = _DONE
+                for p in range(len(self.models)):
+                    self.hashes[p][i] = hashlib.sha256().hexdigest()
+        # Per (tap position, file): tensor starts and ends in order, and their numbers, to find
+        # the tensors a range spans. Zero-size tensors share their start with the next tensor:
+        # sorted by end too, so the last tensor starting at or before a range's start holds it.
+        self._files: dict[tuple[int, str], tuple[list[int], list[int], list[int]]] = {}
+        for p, m in enumerate(self.models):
+            if p and self._shared:
+                for (q, file), index in list(self._files.items()):
+                    if q == 0:
+                        self._files[(p, file)] = index
+                continue
+            by_file: dict[str, list[tuple[int, int, int]]] = {}
+            for i, name in enumerate(self.names):
                 e = inputs[m].tensors[name]
-                by_file.setdefault(e.file, []).append((e.start, e.start + self.tensors[name].nbytes[m], name))
-            for file, starts in by_file.items():
-                # Zero-size tensors share their start with the next tensor: by end too, so the
-                # last tensor starting at or before a range's start is the one that holds it.
-                starts.sort()
-                self._files[(m, file)] = ([s for s, _, _ in starts], [n for _, _, n in starts])
+                by_file.setdefault(e.file, []).append((e.start, e.start + self.kinds[i].nbytes[p], i))
+            for file, spans in by_file.items():
+                spans.sort()
+                self._files[(p, file)] = ([s for s, _, _ in spans], [e for _, e, _ in spans], [i for _, _, i in spans])
         self.stats: dict[str, list] = {f: [] for f in STATS_SCHEMA.names}
         self.blocks: dict[str, list] = {f: [] for f in BLOCKS_SCHEMA.names}
 
     def feed(self, requests: list, buffers: list[list]) -> None:
         """One batch of reads (storage.reader.ReadRequest and the buffers read for its ranges)."""
         with self._lock:
-            touched: dict[str, _Tensor] = {}
+            mine = []
             for req, bufs in zip(requests, buffers):
-                m = self._position.get(req.model)
-                index = self._files.get((m, req.file)) if m is not None else None
-                if index is None:
-                    continue
-                starts, names = index
-                for (a, b), buf in zip(req.ranges, bufs):
+                p = self._position.get(req.model)
+                index = self._files.get((p, req.file)) if p is not None else None
+                if index is not None:
+                    mine.append((p, req, bufs, index))
+            # range number -> the tensors [lo, hi) taken whole, and those among them still streamed
+            taken = self._whole_tensors(mine)
+            touched: dict[int, _Streamed] = {}
+            for p, req, bufs, (starts, _, numbers) in mine:
+                m = self.models[p]
+                for r, ((a, b), buf) in enumerate(zip(req.ranges, bufs)):
                     view = memoryview(buf)
-                    j = max(0, bisect_right(starts, a) - 1)
-                    while j < len(starts) and starts[j] < b:
-                        t = self.tensors[names[j]]
-                        e = t.entries[m]
-                        lo, hi = max(a, e.start), min(b, e.start + t.nbytes[m])
-                        if lo < hi:
-                            try:
-                                t.streams[m].offer(lo - e.start, view[lo - a : hi - a])
-                            except MergepipeError as err:
-                                raise MergepipeError(f"indexing in the merge: tensor {t.name!r} of {req.model}: {err}")
-                            touched[t.name] = t
-                        j += 1
-            ready: list[tuple[_Tensor, int, list]] = []
-            for t in touched.values():
-                self._measure(t, ready)
-            self._measure_strips(ready)
+                    first, end = max(0, bisect_right(starts, a) - 1), bisect_left(starts, b)
+                    if r in taken:
+                        lo, hi, rest = taken[r]
+                        spans = chain(range(first, lo), rest, range(hi, end))
+                    else:
+                        spans = range(first, end)
+                    for j in spans:
+                        i = numbers[j]
+                        if self.state[i] == _DONE:
+                            continue
+                        kind = self.kinds[i]
+                        lo, hi = max(a, starts[j]), min(b, starts[j] + kind.nbytes[p])
+                        if lo >= hi:
+                            continue
+                        t = self._streamed.get(i)
+                        if t is None:
+                            t = self._streamed[i] = _Streamed(kind)
+                            self.state[i] = _STREAMED
+                        try:
+                            t.streams[p].offer(lo - starts[j], view[lo - a : hi - a])
+                        except MergepipeError as err:
+                            raise MergepipeError(
+                                f"indexing in the merge: tensor {self.names[i]!r} of {self.inputs[m].role}: {err}"
+                            )
+                        touched[i] = t
+            ready: list[tuple[int, int, list]] = []
+            for i, t in touched.items():
+                self._measure(i, t, ready)
+            self._measure_ready(ready)
 
-    def _measure(self, t: _Tensor, ready: list) -> None:
-        """Every block of `t` whose bytes have all arrived goes to `ready` with its bytes of
-        each model; then only what follows them is kept."""
-        rb = t.row_bytes
-        if t.is_float:
-            while t.next < len(t.rows) and all(s.seen >= t.rows[t.next][1] * rb[m] for m, s in t.streams.items()):
-                r0, r1 = t.rows[t.next]
-                raws = [t.streams[m].take(r0 * rb[m], r1 * rb[m]) for m in self.models]
-                ready.append((t, t.next, raws))
+    def _whole_tensors(self, mine: list) -> dict[int, tuple[int, int, list[int]]]:
+        """Where every tapped model's request covers the same ranges of one shared layout: the
+        tensors no byte of which has come before and that lie wholly in one range are hashed and
+        measured here, from the ranges' buffers (no copy). Per range: the span [lo, hi) of tensor
+        positions (in file order) looked at, and those in it left to stream."""
+        if not self._shared or sorted(p for p, *_ in mine) != list(range(len(self.models))):
+            return {}
+        mine = sorted(mine, key=lambda x: x[0])
+        first = mine[0][1]
+        if any(req.file != first.file or req.ranges != first.ranges for _, req, _, _ in mine):
+            return {}
+        starts, ends, numbers = mine[0][3]
+        taken: dict[int, tuple[int, int, list[int]]] = {}
+        for r, (a, b) in enumerate(first.ranges):
+            lo, hi = bisect_left(starts, a), bisect_right(ends, b)
+            if lo >= hi:
+                continue
+            at = [(i, s - a) for i, s in zip(numbers[lo:hi], starts[lo:hi]) if self.state[i] == _NONE]
+            streamed = [j for j in range(lo, hi) if self.state[numbers[j]] == _STREAMED] if self._streamed else []
+            taken[r] = lo, hi, streamed
+            if not at:
+                continue
+            views = [memoryview(bufs[r]) for _, _, bufs, _ in mine]
+            for p, view in enumerate(views):
+                column = self.hashes[p]
+                for i, o in at:
+                    column[i] = hashlib.sha256(view[o : o + self.kinds[i].nbytes[0]]).hexdigest()
+            tensors, numbers_, bounds, kinds = [], [], [], []
+            for i, o in at:
+                self.state[i] = _DONE
+                kind = self.kinds[i]
+                if not kind.is_float:
+                    continue
+                rb = kind.row_bytes[0]
+                for block, (r0, r1) in enumerate(kind.rows):
+                    tensors.append(i)
+                    numbers_.append(block)
+                    bounds.append((o + r0 * rb, o + r1 * rb))
+                    kinds.append(kind.kind)
+            for s, e in strips(bounds, [k[0] for k in kinds], kinds):
+                x0, x1 = bounds[s][0], bounds[e - 1][1]
+                cut = [(x - x0, y - x0) for x, y in bounds[s:e]]
+                self._strip(tensors[s:e], numbers_[s:e], [v[x0:x1] for v in views], [cut] * len(views), kinds[s])
+        return taken
+
+    def _measure(self, i: int, t: _Streamed, ready: list) -> None:
+        """Every block of streamed tensor `i` whose bytes have all arrived goes to `ready` with its
+        bytes of each model; then only what follows them is kept."""
+        kind = self.kinds[i]
+        rb, rows = kind.row_bytes, kind.rows
+        if kind.is_float:
+            while t.next < len(rows) and all(s.seen >= rows[t.next][1] * n for s, n in zip(t.streams, rb)):
+                r0, r1 = rows[t.next]
+                ready.append((i, t.next, [s.take(r0 * n, r1 * n) for s, n in zip(t.streams, rb)]))
                 t.next += 1
-        for m, s in t.streams.items():
+        for s, n in zip(t.streams, rb):
             # a float tensor keeps from its first unmeasured block; any other needs only its hash
-            upto = min(t.rows[t.next][0] * rb[m], s.seen) if t.is_float and t.next < len(t.rows) else s.seen
+            upto = min(rows[t.next][0] * n, s.seen) if kind.is_float and t.next < len(rows) else s.seen
             s.release(upto)
 
-    def _measure_strips(self, ready: list) -> None:
-        """The ready blocks in order, grouped into strips as the statistics pass groups its
-        blocks (their bytes joined where a strip has several): rows block by block, the
-        experts in turn."""
-        ranges, at = [], 0
+    def _measure_ready(self, ready: list) -> None:
+        """The ready blocks of streamed tensors in order, grouped into strips as the statistics
+        pass groups its blocks (their bytes joined where a strip has several)."""
+        bounds, at = [], 0
         for _, _, raws in ready:
-            ranges.append((at, at + len(raws[0])))
+            bounds.append((at, at + len(raws[0])))
             at += len(raws[0])
-        kinds = [t.kind for t, _, _ in ready]
-        for first, end in strips(ranges, [k[0] for k in kinds], kinds):
-            self._strip(ready[first:end], kinds[first])
+        kinds = [self.kinds[i].kind for i, _, _ in ready]
+        for first, end in strips(bounds, [k[0] for k in kinds], kinds):
+            group = ready[first:end]
+            joined, cuts = [], []
+            for p in range(len(self.models)):
+                pieces = [raws[p] for _, _, raws in group]
+                joined.append(pieces[0] if len(pieces) == 1 else bytearray().join(pieces))
+                ends = np.cumsum([len(x) for x in pieces]).tolist()
+                cuts.append(list(zip([0, *ends[:-1]], ends)))
+            self._strip([i for i, _, _ in group], [b for _, b, _ in group], joined, cuts, kinds[first])
 
-    def _strip(self, group: list, dtypes: tuple) -> None:
-        def joined(p: int):
-            return group[0][2][p] if len(group) == 1 else bytearray().join(raws[p] for _, _, raws in group)
-
-        base_raw = joined(0)
-        base64, base_sq = base_strip(base_raw, dtypes[0], len(group))
+    def _strip(self, tensors: list[int], numbers: list[int], raws: list, bounds: list, dtypes: tuple) -> None:
+        """One strip: blocks `numbers` of tensors `tensors` (by number); each model's bytes of the
+        strip in `raws`, its blocks at `bounds` in them. Rows block by block, the experts in turn."""
+        raws = [memoryview(r) for r in raws]
+        base_raw = raws[0]
+        base64, base_sq = base_strip(base_raw, dtypes[0], len(tensors))
         experts = range(1, len(self.models))
-        measured = [delta_strip(base_raw, dtypes[0], base64, joined(p), dtypes[p]) for p in experts]
-        # Columns extended a strip at a time: block by block, the experts in turn.
-        rows = [t.rows[b] for t, b, _ in group]
+        measured = [delta_strip(base_raw, dtypes[0], base64, raws[p], dtypes[p]) for p in experts]
+        names = [self.names[i] for i in tensors]
+        rows = [self.kinds[i].rows[b] for i, b in zip(tensors, numbers)]
         for col, values in zip(
             BLOCKS_SCHEMA.names,
             (
-                [t.name for t, _, _ in group],
-                [b for _, b, _ in group],
-                [t.layer for t, _, _ in group],
+                names,
+                numbers,
+                [layer_group(n) for n in names],
                 [r0 for r0, _ in rows],
                 [r1 for _, r1 in rows],
-                [len(raws[0]) for _, _, raws in group],
+                [y - x for x, y in bounds[0]],
                 base_sq.tolist(),
             ),
         ):
             self.blocks[col].extend(values)
         if not measured:
             return
-        fps = [self.inputs[self.models[p]].model_fp for p in experts]
+        per_block = list(zip(*(bounds[p] for p in experts)))  # each block's (x, y) per expert
         for col, values in zip(
             STATS_SCHEMA.names,
             (
-                fps * len(group),
-                [t.name for t, _, _ in group for _ in experts],
-                [b for _, b, _ in group for _ in experts],
-                [len(raws[p]) for _, _, raws in group for p in experts],
+                [self.inputs[self.models[p]].model_fp for p in experts] * len(tensors),
+                [n for n in names for _ in experts],
+                [b for b in numbers for _ in experts],
+                [y - x for block in per_block for x, y in block],
                 *(np.column_stack([m[c] for m in measured]).reshape(-1).tolist() for c in range(3)),
-                [block_hash(raws[p]) for _, _, raws in group for p in experts],
+                [block_hash(raws[p][x:y]) for block in per_block for p, (x, y) in zip(experts, block)],
             ),
         ):
             self.stats[col].extend(values)
 
+    def sha256(self, position: int, name: str) -> str | None:
+        """A model's (input position) SHA-256 of tensor `name`, once every byte of it has come."""
+        p, i = self.models.index(position), self._number[name]
+        if self.state[i] == _DONE:
+            return self.hashes[p][i]
+        t = self._streamed.get(i)
+        s = t.streams[p] if t is not None else None
+        return s.sha.hexdigest() if s is not None and s.seen == s.nbytes else None
+
     def result(self) -> dict:
-        """What a layer group's task returns (JSON): the statistics rows, the base's block rows,
-        and each model's SHA-256 per tensor. Every byte of every tensor must have come by now."""
+        """What a layer group's task returns: the statistics rows, the base's block rows and each
+        model's SHA-256 per tensor, as Arrow tables. Every byte of every tensor must have come by now."""
         with self._lock:
-            for t in self.tensors.values():
-                for m, s in t.streams.items():
-                    if s.seen != s.nbytes:
+            for i, name in enumerate(self.names):
+                if self.state[i] == _DONE:
+                    continue
+                t = self._streamed.get(i)
+                for p, n in enumerate(self.kinds[i].nbytes):
+                    seen = t.streams[p].seen if t is not None else 0
+                    if seen != n:
                         raise MergepipeError(
-                            f"indexing in the merge: tensor {t.name!r} of {self.inputs[m].role}: "
-                            f"{s.seen} of its {s.nbytes} bytes were read"
+                            f"indexing in the merge: tensor {name!r} of {self.inputs[self.models[p]].role}: "
+                            f"{seen} of its {n} bytes were read"
                         )
+                for p in range(len(self.models)):
+                    self.hashes[p][i] = t.streams[p].sha.hexdigest()
+                self.state[i] = _DONE
+                del self._streamed[i]
+            roles = [self.inputs[m].role for m in self.models]
             return {
-                "stats": self.stats,
-                "blocks": self.blocks,
-                "sha256": {
-                    self.inputs[m].role: {n: t.streams[m].sha.hexdigest() for n, t in self.tensors.items()}
-                    for m in self.models
-                },
+                "stats": pa.table(self.stats, schema=STATS_SCHEMA),
+                "blocks": pa.table(self.blocks, schema=BLOCKS_SCHEMA),
+                "sha256": pa.table(
+                    [
+                        pa.array(np.repeat(np.array(roles, dtype=object), len(self.names))),
+                        pa.array(self.names * len(roles)),
+                        pa.array([h for column in self.hashes for h in column]),
+                    ],
+                    schema=HASHES_SCHEMA,
+                ),
             }
 
 
 def tap_stats(parts: list[dict], family: Family, positions: list[int]) -> StatsResult:
     """The statistics pass's result (index.stats.compute_stats) from every layer group's tap
     result, for the experts at `positions`: the same rows, layout and content digests."""
-    stats: dict[str, list] = {f: [] for f in STATS_SCHEMA.names}
-    blocks: dict[str, list] = {f: [] for f in BLOCKS_SCHEMA.names}
-    hashes: dict[str, dict[str, str]] = {}
-    for part in parts:
-        for col in stats:
-            stats[col].extend(part["stats"][col])
-        for col in blocks:
-            blocks[col].extend(part["blocks"][col])
-        for role, by_tensor in part["sha256"].items():
-            hashes.setdefault(role, {}).update(by_tensor)
-    result = StatsResult(pa.table(stats, schema=STATS_SCHEMA), pa.table(blocks, schema=BLOCKS_SCHEMA))
-    result.content[family.base_fp] = content_digest(hashes["base"], family.base)
+    stats = pa.concat_tables([p["stats"] for p in parts]).combine_chunks() if parts else STATS_SCHEMA.empty_table()
+    blocks = pa.concat_tables([p["blocks"] for p in parts]).combine_chunks() if parts else BLOCKS_SCHEMA.empty_table()
+    result = StatsResult(stats, blocks)
+    hashes = pa.concat_tables([p["sha256"] for p in parts]) if parts else HASHES_SCHEMA.empty_table()
+
+    def of(role: str) -> dict[str, str]:
+        mine = hashes.filter(pc.equal(hashes["role"], role))
+        return dict(zip(mine["tensor"].to_pylist(), mine["sha256"].to_pylist()))
+
+    result.content[family.base_fp] = content_digest(of("base"), family.base)
     fps = family.expert_fps()
     for i in positions:
-        result.content[fps[i]] = content_digest(hashes[expert_label(i)], family.experts[i])
+        result.content[fps[i]] = content_digest(of(expert_label(i)), family.experts[i])
     return result
+
+
+def unchanged_blocks(stats: pa.Table) -> list[tuple[str, str, int, int]]:
+    """(expert_fp, tensor, block, bytes) of the statistics rows whose block equals the base's."""
+    rows = stats.filter(pc.equal(stats["nnz_delta"], 0))
+    return list(zip(*(rows[c].to_pylist() for c in ("expert_fp", "tensor", "block", "bytes"))))

@@ -107,4 +107,14 @@ def output_layout_of(plan: Plan) -> OutputLayout:
         d: output_dtype(plan.dtype, plan.out_dtype, d) for d in {t.dtype for t in plan.inputs[0].tensors.values()}
     }
     entries = {name: (dtypes[t.dtype], t.shape) for name, t in plan.inputs[0].tensors.items()}
-    return plan_output(entries, plan.out_shard_size)
+    # A first merge loads two plans of one layout (the one executed, the one recorded): the
+    # layout is laid out once (comparing the entries costs far less than laying them out).
+    for (cached, size), layout in _LAYOUTS:
+        if size == plan.out_shard_size and cached == entries:
+            return layout
+    layout = plan_output(entries, plan.out_shard_size)
+    _LAYOUTS[:] = [((entries, plan.out_shard_size), layout), *_LAYOUTS[:1]]
+    return layout
+
+
+_LAYOUTS: list = []  # the last two layouts, with the entries and shard size they were laid out from

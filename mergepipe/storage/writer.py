@@ -17,6 +17,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+import pyarrow as pa
+
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage import remote
 from mergepipe.storage.canonical import digest_of
@@ -136,18 +138,45 @@ GROUPS_DIR = ".mergepipe-groups"  # in staging: which layer groups are written, 
 
 def mark_group_done(staging: Path, group: str, record: dict) -> None:
     """Mark a group finished with its record: the SHA-256 of the bytes it wrote ("sha256") and
-    whatever else a resumed run needs to account for it (JSON)."""
+    whatever else a resumed run needs to account for it (JSON; Arrow tables in it, as statistics
+    rows are, go beside it as Arrow IPC files, which JSON would cost far more to write and read)."""
     folder = staging / GROUPS_DIR
     folder.mkdir(exist_ok=True)
+    tables: dict[str, pa.Table] = {}
+
+    def plain(value, path: str):
+        if isinstance(value, pa.Table):
+            tables[path] = value
+            return {"arrow_file": f"{group}.{path}.arrow"}
+        if isinstance(value, dict):
+            return {k: plain(v, f"{path}.{k}" if path else k) for k, v in value.items()}
+        return value
+
+    text = json.dumps(plain(record, ""), sort_keys=True).encode()
+    for path, table in tables.items():  # before the mark: the mark is what says the group is done
+        tmp = folder / f"{group}.{path}.arrow.tmp"
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
+            out.write_table(table)
+        os.replace(tmp, folder / f"{group}.{path}.arrow")
     tmp = folder / f"{group}.tmp"
-    write_file(tmp, json.dumps(record, sort_keys=True).encode())
+    write_file(tmp, text)
     os.replace(tmp, folder / group)
 
 
 def group_record(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> dict | None:
     """The record of a group marked done whose bytes are still exactly those it wrote; else None."""
+    folder = staging / GROUPS_DIR
+
+    def tables(value):
+        if isinstance(value, dict):
+            if set(value) == {"arrow_file"}:
+                with pa.OSFile(str(folder / value["arrow_file"]), "rb") as source:
+                    return pa.ipc.open_file(source).read_all()
+            return {k: tables(v) for k, v in value.items()}
+        return value
+
     try:
-        record = json.loads((staging / GROUPS_DIR / group).read_text())
+        record = json.loads((folder / group).read_text())
         h = hashlib.sha256()
         for shard, start, end in regions:
             with open(staging / shard, "rb") as f:
@@ -156,9 +185,11 @@ def group_record(staging: Path, group: str, regions: list[tuple[str, int, int]])
             if len(data) != end - start:
                 return None
             h.update(data)
-    except (OSError, ValueError):
+        if not isinstance(record, dict) or h.hexdigest() != record.get("sha256"):
+            return None
+        return tables(record)
+    except (OSError, ValueError, pa.ArrowException):
         return None
-    return record if isinstance(record, dict) and h.hexdigest() == record.get("sha256") else None
 
 
 def clear_group_marks(staging: Path) -> None:
