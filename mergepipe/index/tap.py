@@ -18,7 +18,7 @@ import hashlib
 import math
 import threading
 from bisect import bisect_left, bisect_right
-from itertools import chain
+from itertools import accumulate, chain
 from typing import NamedTuple
 
 import numpy as np
@@ -147,10 +147,8 @@ class StatsTap:
         # sorted by end too, so the last tensor starting at or before a range's start holds it.
         self._files: dict[tuple[int, str], tuple[list[int], list[int], list[int]]] = {}
         for p, m in enumerate(self.models):
-            if p and self._shared:
-                for (q, file), index in list(self._files.items()):
-                    if q == 0:
-                        self._files[(p, file)] = index
+            if p and self._shared:  # the base's index serves every model
+                self._files.update({(p, file): index for (q, file), index in self._files.items() if q == 0})
                 continue
             by_file: dict[str, list[tuple[int, int, int]]] = {}
             for i, name in enumerate(self.names):
@@ -282,7 +280,7 @@ class StatsTap:
             for p in range(len(self.models)):
                 pieces = [raws[p] for _, _, raws in group]
                 joined.append(pieces[0] if len(pieces) == 1 else bytearray().join(pieces))
-                ends = np.cumsum([len(x) for x in pieces]).tolist()
+                ends = list(accumulate(len(x) for x in pieces))
                 cuts.append(list(zip([0, *ends[:-1]], ends)))
             self._strip([i for i, _, _ in group], [b for _, b, _ in group], joined, cuts, kinds[first])
 
