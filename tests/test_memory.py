@@ -15,7 +15,6 @@ from mergepipe.cli import app
 from mergepipe.errors import BadInput
 from mergepipe.execute import group, memory
 from mergepipe.execute.group import GroupMerger
-from mergepipe.execute.memory import element_runs
 from mergepipe.flows.merge import merge
 from mergepipe.operators import slabs
 from mergepipe.operators.rows import as_rows
@@ -25,15 +24,6 @@ from .helpers import config_for
 from .reference import load_model
 
 runner = CliRunner()
-
-
-def test_element_runs_cover_every_element_once():
-    for n_rows, width, slab in [(5, 4, 1), (5, 4, 3), (5, 4, 4), (5, 4, 9), (5, 4, 100), (1, 7, 3), (3, 1, 2)]:
-        runs = element_runs(n_rows, width, slab)
-        assert [a for a, _ in runs[1:]] == [b for _, b in runs[:-1]] and runs[0][0] == 0
-        assert runs[-1][1] == n_rows * width and all(0 < b - a <= slab for a, b in runs)
-        # a run is whole rows, or lies inside one row
-        assert all((a % width == 0 and b % width == 0) or a // width == (b - 1) // width for a, b in runs)
 
 
 @pytest.mark.parametrize("slab", [1, 7, 64, 200])
@@ -238,20 +228,6 @@ def test_memory_must_be_a_size(bf16_family, tmp_path, session_catalog):
     cfg.write_text(cfg.read_text() + "memory: lots\n")
     r = runner.invoke(app, ["plan", str(cfg), "--catalog", session_catalog])
     assert r.exit_code == 2 and "memory" in r.output, r.output
-
-
-def test_covering_cuts_a_run_into_covered_and_uncovered_stretches():
-    from mergepipe.execute.group import covering
-
-    assert covering(0, 10, []) == [(0, 10, False)]
-    assert covering(0, 10, [(0, 10)]) == [(0, 10, True)]
-    assert covering(0, 10, [(2, 4), (3, 6), (6, 7), (8, 9)]) == [
-        (0, 2, False),
-        (2, 7, True),
-        (7, 8, False),
-        (8, 9, True),
-        (9, 10, False),
-    ]
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])

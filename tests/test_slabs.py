@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from mergepipe import ranges
 from mergepipe.execute.experts import LazyExperts
 from mergepipe.operators import OPERATORS, TensorContext, gta, slabs
 from mergepipe.operators.rows import as_rows
@@ -270,7 +271,7 @@ def test_windowed_form_equals_whole_tensor_form(monkeypatch, method, kind, resca
                 m.setattr(gta, "SLAB_KEEPS", {})
                 want = op.merge(widened, LazyExperts(widened, lambda k: patches.get(k), 3, to_compute), params, ctx)
             for rows in (1, 12, 100):
-                windows_rows = slabs.windows_of(slabs.slabs_of(ctx.block_rows, 7), rows)
+                windows_rows = ranges.windows_of(ranges.slabs_of(ctx.block_rows, 7, slabs.SLAB_ELEMENTS), rows)
                 for out_dtype in (torch.float32, torch.bfloat16):
                     windows = _MemoryWindows(stored, experts, planned, windows_rows, to_compute, widens)
                     out = torch.full(base.shape, 7.0, dtype=out_dtype)
@@ -562,7 +563,7 @@ def test_interpolations_over_windows_equal_the_whole_tensor(monkeypatch, grain, 
         widened = stored.float()
         want = op.merge(widened, LazyExperts(widened, lambda i: patches.get(i), k), params, ctx)
         for window_rows in (1, 12, rows):
-            windows_rows = slabs.windows_of(slabs.slabs_of(ctx.block_rows, width), window_rows)
+            windows_rows = ranges.windows_of(ranges.slabs_of(ctx.block_rows, width, slabs.SLAB_ELEMENTS), window_rows)
             for out_dtype in (torch.float32, torch.bfloat16):
                 windows = _MemoryWindows(stored, experts, planned, windows_rows, lambda t: t.to(torch.float32), True)
                 out = torch.full(base.shape, 7.0, dtype=out_dtype)

@@ -12,7 +12,7 @@ from safetensors.torch import load as st_load
 from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import load_spec
 from mergepipe.errors import BadInput
-from mergepipe.index.blocks import block_rows, coalesce, layer_group
+from mergepipe.index.blocks import block_rows, layer_group
 from mergepipe.plan.output import plan_output
 from mergepipe.plan.params import resolve_params
 from mergepipe.storage.safetensors_format import build_header, parse_header
@@ -39,8 +39,7 @@ def test_block_rows():
     assert block_rows((3, 1000), 4, 16) == [(0, 1), (1, 2), (2, 3)]  # a row larger than a block is one block
 
 
-def test_coalesce_and_groups():
-    assert coalesce([(10, 20), (0, 10), (30, 40)]) == [(0, 20), (30, 40)]
+def test_layer_groups():
     assert layer_group("model.layers.3.mlp.up_proj.weight") == "layer.00003"
     assert layer_group("encoder.layer.11.attention.self.query.weight") == "layer.00011"
     assert layer_group("model.embed_tokens.weight") == "embeddings"
@@ -150,16 +149,6 @@ def test_declared_header_over_limit_is_rejected_unallocated():
 
     with pytest.raises(BadInput, match="at or over the"):
         header_length(struct.pack("<Q", 200 * 2**20), 10**10, "big.safetensors")
-
-
-def test_index_reads_runs_of_whole_blocks():
-    from mergepipe.index.stats import chunk_blocks
-
-    blocks = [(0, 4), (4, 8), (8, 12), (12, 13)]
-    assert chunk_blocks(blocks, row_bytes=100, chunk=800) == [[0, 1], [2, 3]]
-    assert chunk_blocks(blocks, row_bytes=100, chunk=10) == [[0], [1], [2], [3]]  # a block never splits
-    assert chunk_blocks(blocks, row_bytes=100, chunk=10_000) == [[0, 1, 2, 3]]
-    assert chunk_blocks([], row_bytes=100) == []
 
 
 def test_locations_and_output_names():

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-from bisect import bisect_right
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -22,21 +21,21 @@ from mergepipe.execute.experts import LazyExperts
 from mergepipe.execute.memory import (
     WHOLE_BASE_BYTES,
     TensorNeed,
-    element_runs,
     most_per_element,
     slab_elements,
     tensor_need,
     window_plan,
 )
 from mergepipe.execute.windows import StoredWindows
-from mergepipe.index.blocks import block_rows, byte_range, coalesce
+from mergepipe.index.blocks import block_rows, byte_range
 from mergepipe.index.stats import buffer_differs_message
 from mergepipe.index.tap import StatsTap
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows, as_rows
-from mergepipe.operators.slabs import slabs_of, windows_of
+from mergepipe.operators.slabs import SLAB_ELEMENTS
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
+from mergepipe.ranges import Gather, adjacent, coalesce, covering, element_runs, gather, slabs_of, windows_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join
 from mergepipe.storage.reader import RangeReader, ReadRequest
@@ -329,7 +328,7 @@ class GroupMerger:
             joined = memoryview(g.join(bufs))
             dtype = self.plan.inputs[k + 1].tensors[first].dtype
             size, at, values[k] = DTYPES[dtype].itemsize, 0, []
-            pieces[k] = _adjacent(pieces[k])
+            pieces[k] = adjacent(pieces[k])
             for a, b in pieces[k]:
                 values[k].append(decode(joined[at : at + (b - a) * size], dtype, (b - a, 1)))
                 at += (b - a) * size
@@ -443,7 +442,7 @@ class GroupMerger:
         t = self.plan.inputs[0].tensors[reads.name]
         width = math.prod(t.shape[1:])
         elements, keep = window_plan(need, self.per_group)
-        slabs = slabs_of(self._context(reads.name).block_rows, width)
+        slabs = slabs_of(self._context(reads.name).block_rows, width, SLAB_ELEMENTS)
         return StoredWindows(
             self.plan,
             reads.name,
@@ -630,56 +629,6 @@ class _RowSteps:
         return part
 
 
-def _adjacent(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Byte ranges in the order given, each joined to the one before it where they touch: the
-    bytes read, in order, are the same."""
-    if len(ranges) > 64:  # in numpy: a batch has one range per tensor
-        bounds = np.asarray(ranges, dtype=np.int64)
-        apart = bounds[1:, 0] != bounds[:-1, 1]
-        firsts = bounds[np.concatenate(([True], apart)), 0].tolist()
-        lasts = bounds[np.concatenate((apart, [True])), 1].tolist()
-        return list(zip(firsts, lasts))
-    out: list[tuple[int, int]] = []
-    for a, b in ranges:
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
-class Gather(NamedTuple):
-    """Byte ranges wanted in one order, read in another: `reads` in file order with touching
-    ones joined (few long reads, however the file orders the tensors), and for each wanted
-    range, in its order, (read, offset in it, length)."""
-
-    reads: list[tuple[int, int]]
-    pieces: list[tuple[int, int, int]]  # empty where in_order
-    in_order: bool = False  # the wanted ranges are one read's bytes, in file order
-
-    def join(self, buffers: list) -> bytearray | memoryview:
-        """The wanted ranges' bytes, one after another in their order (the one read itself,
-        uncopied, where they are in order)."""
-        if self.in_order:
-            return memoryview(buffers[0])
-        views = [memoryview(b) for b in buffers]
-        return bytearray().join(views[i][o : o + n] for i, o, n in self.pieces)
-
-
-def gather(ranges: list[tuple[int, int]]) -> Gather:
-    ordered = sorted(ranges)
-    reads = _adjacent(ordered)
-    # One read of ranges in file order, each starting where the last ended: the read is them.
-    if len(reads) == 1 and ordered == ranges:
-        return Gather(reads, [], True)
-    starts = [a for a, _ in reads]
-    pieces = []
-    for a, b in ranges:
-        i = bisect_right(starts, a) - 1
-        pieces.append((i, a - starts[i], b - a))
-    return Gather(reads, pieces)
-
-
 def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:
     """(shard, start, end) of each tensor of a group in the output, in the order it is written."""
     return [(layout.tensors[n].shard, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
@@ -709,23 +658,6 @@ def finished_group(layout: OutputLayout, group: str, staging: Path) -> dict | No
     """What merging a group an earlier run finished returned, if its mark is there and its staged
     bytes are still exactly those it wrote (a resumed merge takes it over); else None."""
     return group_record(staging, group, group_regions(layout, group))
-
-
-def covering(e0: int, e1: int, intervals: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
-    """[e0, e1) cut into the stretches the intervals cover (True) and those they do not."""
-    out, at = [], e0
-    for a, b in sorted(intervals):
-        if a > at:
-            out.append((at, a, False))
-        if b > at:
-            if out and out[-1][2] and out[-1][1] == max(a, at):
-                out[-1] = (out[-1][0], b, True)
-            else:
-                out.append((max(a, at), b, True))
-            at = b
-    if at < e1:
-        out.append((at, e1, False))
-    return out
 
 
 # Exponent and mantissa bits of each float dtype as stored.

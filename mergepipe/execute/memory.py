@@ -157,15 +157,6 @@ def reread_bytes(need: TensorNeed, per_group: int) -> int:
     return (need.passes - 1) * max(0, need.numel * need.read_per_element - keep)
 
 
-def element_runs(n_rows: int, width: int, slab: int) -> list[tuple[int, int]]:
-    """A tensor's elements (n_rows rows of `width`, as stored) in runs of at most `slab`:
-    whole rows while a row fits, else pieces of one row."""
-    if width <= slab:
-        step = slab // width
-        return [(r * width, min(n_rows, r + step) * width) for r in range(0, n_rows, step)]
-    return [(r * width + c, r * width + min(width, c + slab)) for r in range(n_rows) for c in range(0, width, slab)]
-
-
 def plan_memory(
     plan: Plan, layout: OutputLayout, budget: int, workers: int, given: bool = True, indexing: bool = False
 ) -> MemoryPlan:

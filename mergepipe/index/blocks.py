@@ -66,14 +66,3 @@ def layer_group(name: str) -> str:
     if "lm_head" in lowered or lowered.startswith("head.") or ".head." in lowered or lowered.startswith("cls."):
         return "head"
     return "other"
-
-
-def coalesce(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Merge touching or overlapping ranges (sorted by start) into single reads."""
-    out: list[tuple[int, int]] = []
-    for s, e in sorted(ranges):
-        if out and s <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], e))
-        else:
-            out.append((s, e))
-    return out

@@ -31,6 +31,7 @@ from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, layer_group, row_elems
 from mergepipe.index.family import Family
+from mergepipe.ranges import chunk_blocks, strips
 from mergepipe.storage.canonical import sha256_hex
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
@@ -181,48 +182,14 @@ READ_CHUNK = 8 * 1024 * 1024
 READ_AHEAD = 3
 
 
-def chunk_blocks(blocks: list[tuple[int, int]], row_bytes: int, chunk: int = READ_CHUNK) -> list[list[int]]:
-    """Consecutive block numbers grouped into runs of at most `chunk` bytes (at least one block)."""
-    runs: list[list[int]] = []
-    size = 0
-    for b, (r0, r1) in enumerate(blocks):
-        n = (r1 - r0) * row_bytes
-        if runs and size + n <= chunk:
-            runs[-1].append(b)
-            size += n
-        else:
-            runs.append([b])
-            size = n
-    return runs
-
-
 # A strip's fp64 arrays hold about this many elements at most (2 MiB each, at least one block):
 # larger ones fall out of the CPU's cache between the steps that sweep them.
 STRIP_ELEMENTS = 1 << 18
 
 
-def strips(ranges: list[tuple[int, int]], dtypes: list[str], kinds: list | None = None) -> list[tuple[int, int]]:
-    """Blocks [first, end) measured together: consecutive ones of one dtype and size (and
-    kind, where given: the other models' dtypes), each starting where the last ended, up to
-    STRIP_ELEMENTS elements (a block alone may exceed it)."""
-    kinds = dtypes if kinds is None else kinds
-    out: list[tuple[int, int]] = []
-    for i, (a, b) in enumerate(ranges):
-        if out:
-            first, end = out[-1]
-            last = ranges[i - 1]
-            size = b - a
-            if (
-                a == last[1]
-                and size == last[1] - last[0]
-                and dtypes[i] == dtypes[first]
-                and kinds[i] == kinds[first]
-                and (end - first + 1) * size <= STRIP_ELEMENTS * DTYPES[dtypes[i]].itemsize
-            ):
-                out[-1] = (first, i + 1)
-                continue
-        out.append((i, i + 1))
-    return out
+def strip_bytes(dtype: str) -> int:
+    """The most bytes of a strip of blocks of this dtype (ranges.strips)."""
+    return STRIP_ELEMENTS * DTYPES[dtype].itemsize
 
 
 class _Blocks:
@@ -259,7 +226,8 @@ def _expert_stats(
     sq, mx, nnz = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for first, end, base_dtype, base_raw, base64 in base_strips:
         size = len(base_raw) // (end - first)
-        for g, h in strips(ranges[first:end], dtypes[first:end]):
+        kinds = dtypes[first:end]
+        for g, h in strips(ranges[first:end], kinds, lambda i: strip_bytes(kinds[i])):
             at = slice(first + g, first + h)
             sq[at], mx[at], nnz[at] = delta_strip(
                 base_raw[g * size : h * size],
@@ -282,7 +250,7 @@ def _measure_batch(
     # The batch's base in fp64, held while the experts' jobs use it (the next batch reuses it).
     elements = [(b - a) // DTYPES[dt].itemsize for (a, b), dt in zip(blocks.ranges[0], base_dtypes)]
     held, at = _SCRATCH.get("batch", sum(elements)), 0
-    for first, end in strips(blocks.ranges[0], base_dtypes):
+    for first, end in strips(blocks.ranges[0], base_dtypes, lambda i: strip_bytes(base_dtypes[i])):
         raw = chunks[0][blocks.ranges[0][first][0] : blocks.ranges[0][end - 1][1]]
         n = sum(elements[first:end])
         base64, energy = base_strip(raw, base_dtypes[first], end - first, held[at : at + n])
@@ -440,7 +408,7 @@ def _block_runs(family: Family, models: list, block_size: int) -> Iterator[Block
         blocks = block_rows(info.shape, dt.itemsize, block_size)
         locations = [m.tensors[name] for _, _, m in models]
         per_row = [row_elems(info.shape) * DTYPES[loc.info.dtype].itemsize for loc in locations]
-        for run in chunk_blocks(blocks, per_row[0]):
+        for run in chunk_blocks(blocks, per_row[0], READ_CHUNK):
             rows = [blocks[b] for b in run]
             per_model = [
                 [(loc.info.start + r0 * n, loc.info.start + r1 * n) for r0, r1 in rows]

@@ -37,8 +37,9 @@ from mergepipe.index.stats import (
     block_hash,
     content_digest,
     delta_strip,
-    strips,
+    strip_bytes,
 )
+from mergepipe.ranges import strips
 from mergepipe.storage.safetensors_format import DTYPES
 
 HASHES_SCHEMA = pa.schema([("role", pa.string()), ("tensor", pa.string()), ("sha256", pa.string())])
@@ -245,7 +246,7 @@ class StatsTap:
                     numbers_.append(block)
                     bounds.append((o + r0 * rb, o + r1 * rb))
                     kinds.append(kind.kind)
-            for s, e in strips(bounds, [k[0] for k in kinds], kinds):
+            for s, e in strips(bounds, kinds, lambda i: strip_bytes(kinds[i][0])):
                 x0, x1 = bounds[s][0], bounds[e - 1][1]
                 cut = [(x - x0, y - x0) for x, y in bounds[s:e]]
                 self._strip(tensors[s:e], numbers_[s:e], [v[x0:x1] for v in views], [cut] * len(views), kinds[s])
@@ -274,7 +275,7 @@ class StatsTap:
             bounds.append((at, at + len(raws[0])))
             at += len(raws[0])
         kinds = [self.kinds[i].kind for i, _, _ in ready]
-        for first, end in strips(bounds, [k[0] for k in kinds], kinds):
+        for first, end in strips(bounds, kinds, lambda i: strip_bytes(kinds[i][0])):
             group = ready[first:end]
             joined, cuts = [], []
             for p in range(len(self.models)):

@@ -4,13 +4,19 @@ depend on scheduling, thread count or which worker merges the tensor."""
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol, Sequence
 
 from mergepipe import torch
 from mergepipe.operators.rows import as_rows
 
-if TYPE_CHECKING:
-    from mergepipe.operators.base import TensorContext
+
+class TensorContext(Protocol):
+    """What a draw needs of the tensor it is for (operators.base.TensorContext has it): a
+    protocol, so this module imports nothing of base, which takes its default draws from here."""
+
+    name: str
+    seed: int
+    block_rows: Sequence[tuple[int, int]]
 
 
 def block_seed(seed: int, expert: int, tensor: str, block: int) -> int:

@@ -28,28 +28,10 @@ from mergepipe import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
 from mergepipe.operators.draws import block_draws
 from mergepipe.operators.sparsify import block_keep_mask, della_keep_probs, rescale_factor
+from mergepipe.ranges import Slab, slabs_of
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
 SLAB_ELEMENTS = 1 << 18
-
-Slab = tuple[int, int, int]  # (block index, first row, end row)
-
-
-def slabs_of(block_rows: Sequence[tuple[int, int]], width: int) -> list[Slab]:
-    """The blocks' rows in steps of about SLAB_ELEMENTS elements (a slab never spans blocks,
-    so per-block random draws can be sliced)."""
-    step = max(1, SLAB_ELEMENTS // max(1, width))
-    return [(b, a, min(r1, a + step)) for b, (r0, r1) in enumerate(block_rows) for a in range(r0, r1, step)]
-
-
-def tiles(block_rows: Sequence[tuple[int, int]], n_rows: int) -> bool:
-    """Whether the blocks cover rows [0, n_rows) in order, without gaps or overlaps."""
-    end = 0
-    for r0, r1 in block_rows:
-        if r0 != end or r1 <= r0:
-            return False
-        end = r1
-    return end == n_rows
 
 
 class ExpertDeltas:
@@ -660,18 +642,6 @@ class Windows(Protocol):
     def load(self, w: int, experts: Sequence[int]) -> tuple[torch.Tensor, dict[int, list]]: ...
 
 
-def windows_of(slabs: list[Slab], rows: int) -> list[tuple[int, int]]:
-    """The slabs' rows in windows of about `rows` rows, each a run of whole slabs (one slab at
-    least)."""
-    out: list[tuple[int, int]] = []
-    for _, a, b in slabs:
-        if out and b - out[-1][0] <= rows:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((a, b))
-    return out
-
-
 def loaded_windows(windows: Windows, experts: Sequence[int]) -> Iterator[tuple[int, int, ExpertDeltas]]:
     """One pass over the windows in order, each loaded for these experts: (first row, end row,
     the deltas, whose base(), values() and tau() take rows inside the window)."""
@@ -699,7 +669,7 @@ class SlabMerge:
         self.base, self.params = base, params
         self.windows = windows
         self.deltas = ExpertDeltas(base, experts) if windows is None else ExpertDeltas.windowed(windows)
-        self.slabs = slabs_of(ctx.block_rows, self.deltas.width)
+        self.slabs = slabs_of(ctx.block_rows, self.deltas.width, SLAB_ELEMENTS)
         self.keeps = keep(self.deltas, self.slabs, params, ctx)
         self._ratio: dict[int, torch.Tensor | None] = {}
         self._inert: set[int] = set()
