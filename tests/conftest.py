@@ -14,16 +14,19 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+# Flows run in process unless a test is about Prefect (the `prefect_flows` fixture): a flow run
+# through the Prefect API costs more than the small merges the tests make.
+os.environ["MERGEPIPE_ORCHESTRATION"] = "local"
 
 import pytest  # noqa: E402
 
 from mergepipe.devtools.synthetic import FamilyPaths, make_family  # noqa: E402
 
 
-@pytest.fixture(scope="session", autouse=True)
+@pytest.fixture(scope="session")
 def prefect_backend():
-    """One Prefect API for the whole session: the server .ci/run started (PREFECT_API_URL),
-    or a test harness."""
+    """One Prefect API for the whole session, started on first use: the server .ci/run started
+    (PREFECT_API_URL), or a test harness."""
     if os.environ.get("PREFECT_API_URL"):
         yield
         return
@@ -31,6 +34,12 @@ def prefect_backend():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture
+def prefect_flows(prefect_backend, monkeypatch) -> None:
+    """Flows in this test run as Prefect flow runs on the session's API."""
+    monkeypatch.setenv("MERGEPIPE_ORCHESTRATION", "prefect")
 
 
 @pytest.fixture(scope="session")

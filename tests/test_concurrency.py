@@ -30,7 +30,7 @@ def _cli(args: list[str], api_url: str, log: Path, **env) -> subprocess.Popen:
     with open(log, "w") as err:
         return subprocess.Popen(
             [sys.executable, "-m", "mergepipe.cli", *args],
-            env=dict(os.environ, PREFECT_API_URL=api_url, **env),
+            env=dict(os.environ, PREFECT_API_URL=api_url, MERGEPIPE_ORCHESTRATION="prefect", **env),
             stdout=subprocess.PIPE,
             stderr=err,
             text=True,

@@ -70,7 +70,9 @@ def expected_digest(tmp_path_factory) -> str:
 
 
 def _killed(kill_at: str, cfg: Path, out: Path, catalog: Path, api_url: str) -> None:
-    env = dict(os.environ, KILL_AT=kill_at, MERGEPIPE_WORKERS="1", PREFECT_API_URL=api_url)
+    env = dict(
+        os.environ, KILL_AT=kill_at, MERGEPIPE_WORKERS="1", PREFECT_API_URL=api_url, MERGEPIPE_ORCHESTRATION="prefect"
+    )
     proc = subprocess.run(
         [sys.executable, str(HERE / "kill_at.py"), "merge", str(cfg), "--out", str(out), "--catalog", str(catalog)],
         env=env,

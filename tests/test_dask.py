@@ -18,7 +18,7 @@ from .helpers import config_for
 pytestmark = pytest.mark.slow
 
 
-def test_dask_local_cluster_gives_the_thread_runner_digest(bf16_family, tmp_path, session_catalog):
+def test_dask_local_cluster_gives_the_thread_runner_digest(bf16_family, tmp_path, session_catalog, prefect_flows):
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.6)
     threads = merge(config=str(cfg), out=str(tmp_path / "threads"), budget="50%", catalog=session_catalog)
     dask = merge(config=str(cfg), out=str(tmp_path / "dask"), budget="50%", catalog=session_catalog, runner="dask")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mergepipe.execute import group
+from mergepipe.execute import streamed
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.plan import saved
@@ -146,7 +146,7 @@ def test_merges_read_directly_and_stepped_give_the_same_bytes(method, bf16_famil
 
     monkeypatch.setattr(os, "preadv", counting)
     for step in (1, 37):
-        monkeypatch.setattr(group, "ELEMENT_STEP", step)
+        monkeypatch.setattr(streamed, "ELEMENT_STEP", step)
         direct = merge(config=str(cfg), out=str(tmp_path / f"direct-{step}"), catalog=catalog)
         assert direct["digest"] == plain["digest"]
         assert direct["bytes"] == plain["bytes"] and direct["expert_bytes_read"] == plain["expert_bytes_read"]
@@ -157,17 +157,16 @@ def test_merges_read_directly_and_stepped_give_the_same_bytes(method, bf16_famil
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 200)
     budget = 2 * max(n.least for n in memory.tensor_needs(*saved.load(plain["plan_dir"])))
-    streamed = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=catalog, memory=str(budget))
-    assert streamed["digest"] == plain["digest"] and streamed["bytes"] == plain["bytes"]
+    in_runs = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=catalog, memory=str(budget))
+    assert in_runs["digest"] == plain["digest"] and in_runs["bytes"] == plain["bytes"]
 
 
-def test_a_direct_read_buffer_is_reused_only_once_nothing_refers_to_it(tmp_path, monkeypatch):
-    """The mapping a direct read filled is taken again only after every view and array made
-    from it is gone; its bytes are then the new range's, and all free ones go when the last
-    reader closes."""
+def test_a_direct_read_mapping_is_lent_to_its_reader_until_given_back(tmp_path, monkeypatch):
+    """The mapping a direct read filled is lent to its reader, and taken by no other read until
+    the reader gives it back (release: its caller keeps no view of it); then the smallest free
+    one that holds a read is taken, its bytes the new range's, and all free ones go when the
+    last reader closes."""
     import numpy as np
-
-    from mergepipe import torch
 
     grain = reader_module.DirectBuffers.GRAIN  # these reads are short: mappings in pages
     path = tmp_path / "big.bin"
@@ -186,30 +185,27 @@ def test_a_direct_read_buffer_is_reused_only_once_nothing_refers_to_it(tmp_path,
     with RangeReader() as r:
         first = read(r, 8, grain)
         where = address(first) - 8
-        array = np.frombuffer(first, dtype=np.uint8)[100:]
-        tensor = torch.frombuffer(first[16:], dtype=torch.uint8)
-        del first
-        held = read(r, 0, grain)  # the first mapping is still referred to: a new one
-        assert address(held) != where
-        assert bytes(held) == payload[:grain]
-        del array
-        other = read(r, 0, grain)
-        assert address(other) != where  # the tensor still refers to it
-        del tensor, other
-        again = read(r, PAGE, 3 * PAGE - 8)  # two pages: a longer free mapping holds them
-        assert address(again) == where  # the least recently taken of equal ones
-        assert bytes(again) == payload[PAGE : 3 * PAGE - 8]
-        assert pool.held() == (3 * grain, grain)
+        r.release([first])
+        again = read(r, 0, grain)  # given back: the same mapping, holding the new range
+        assert address(again) == where and bytes(again) == payload[:grain]
+        other = read(r, 0, grain)  # `again` is still lent: a new mapping
+        assert address(other) != where and bytes(other) == payload[:grain]
+        r.release([b"not a lent buffer", bytearray(8)])  # ignored
+        assert pool.held() == (2 * grain, 0)
+        r.release()  # everything this reader read
+        assert pool.held() == (2 * grain, 2 * grain)
+        short = read(r, PAGE, 3 * PAGE - 8)  # two pages: the first given back of the free ones
+        assert address(short) == where and bytes(short) == payload[PAGE : 3 * PAGE - 8]
+        assert pool.held() == (2 * grain, grain)
         # A longer read than any free mapping drops free ones first, so the total stays put.
-        del again
         longer = read(r, 0, 2 * grain + 8)
         assert bytes(longer) == payload[: 2 * grain + 8]
-        assert pool.held() == (3 * grain + PAGE, 0)  # `held` and the new mapping
+        assert pool.held() == (3 * grain + PAGE, 0)  # `short` and the new mapping
         with RangeReader() as inner:
             read(inner, 0, 8)
         assert pool.held() == (3 * grain + 2 * PAGE, PAGE)  # another reader's close keeps the pool
-        del longer, held
-        assert pool.held() == (3 * grain + 2 * PAGE,) * 2
+        r.release([longer])
+        assert pool.held() == (3 * grain + 2 * PAGE, 2 * grain + 2 * PAGE)
     assert pool.held() == (0, 0)
     # Long mappings come in whole huge pages; untouched, they cost no memory here.
     assert len(pool.take(pool.GRAIN_FROM - 1)) == pool.GRAIN_FROM

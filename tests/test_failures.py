@@ -22,12 +22,12 @@ def _flaky(monkeypatch, failures: int, group: str = "layer.00001"):
     real = merge_tasks.merge_group
     calls = {"n": 0}
 
-    def sometimes(plan, layout, g, staging, per_group=None, index=None):
+    def sometimes(plan, layout, g, staging, memory=None, index=None, worker=""):
         if g == group and calls["n"] < failures:
             calls["n"] += 1
             # A real full-disk error (ENOSPC), as the writer reports it.
             write_at(Path("/dev/full"), 0, b"x", ByteLedger())
-        return real(plan, layout, g, staging, per_group, index)
+        return real(plan, layout, g, staging, memory, index, worker)
 
     monkeypatch.setattr(merge_tasks, "merge_group", sometimes)
     monkeypatch.setattr(

@@ -40,7 +40,7 @@ def _json(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(proc.stdout)
 
 
-def test_in_process_runs_reproduce_prefect_runs(bf16_family, tmp_path, session_catalog):
+def test_in_process_runs_reproduce_prefect_runs(bf16_family, tmp_path, session_catalog, prefect_flows):
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.6, budget="60%")
     with_prefect = merge(config=str(cfg), out=str(tmp_path / "prefect"), catalog=session_catalog)
     env = _no_api_env(tmp_path)

@@ -146,8 +146,9 @@ def test_newer_catalog_is_refused(tmp_path):
             pass
 
 
-def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path):
-    """A second catalog over the same files gets the statistics from the task cache: no pass."""
+def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path, prefect_flows):
+    """A second catalog over the same files gets the statistics from the task cache (Prefect's
+    result cache): no pass."""
     fam = tiny_family(tmp_path / "fam")
     cfg = write_config(tmp_path / "m.yaml", fam, "task_arithmetic", block_size="4KiB")
     first = index_family(config=str(cfg), catalog=str(tmp_path / "a.duckdb"))

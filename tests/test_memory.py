@@ -13,8 +13,7 @@ from typer.testing import CliRunner
 
 from mergepipe.cli import app
 from mergepipe.errors import BadInput
-from mergepipe.execute import group, memory
-from mergepipe.execute.group import GroupMerger
+from mergepipe.execute import batched, memory, streamed, windowed
 from mergepipe.flows.merge import merge
 from mergepipe.operators import slabs
 from mergepipe.operators.rows import as_rows
@@ -44,21 +43,21 @@ def test_streamed_merges_equal_whole_merges_bit_for_bit(
     needs = memory.tensor_needs(*saved.load(whole["plan_dir"]))
     budget = 2 * max(n.least for n in needs)  # two groups at once, each at its least
     streamed_runs = []
-    real = GroupMerger._merge_streamed
+    real = streamed.merge_streamed
 
-    def counting(self, reads, slab_elements):
-        streamed_runs.append((reads.name, slab_elements))
-        return real(self, reads, slab_elements)
+    def counting(g, reads):
+        streamed_runs.append((reads.name, memory.slab_elements(g.need(reads.name), g.per_group)))
+        return real(g, reads)
 
-    monkeypatch.setattr(GroupMerger, "_merge_streamed", counting)
-    streamed = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=session_catalog, memory=str(budget))
-    assert streamed["digest"] == whole["digest"]
-    assert streamed["bytes"] == whole["bytes"] and streamed["expert_bytes_read"] == whole["expert_bytes_planned"]
+    monkeypatch.setattr(streamed, "merge_streamed", counting)
+    in_runs = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=session_catalog, memory=str(budget))
+    assert in_runs["digest"] == whole["digest"]
+    assert in_runs["bytes"] == whole["bytes"] and in_runs["expert_bytes_read"] == whole["expert_bytes_planned"]
     # every float tensor larger than a group's share was streamed, in runs of the least size
     assert {name for name, _ in streamed_runs} == {n.name for n in needs if n.streams and n.whole > budget // 2}
     numel = {n.name: n.numel for n in needs}
     assert streamed_runs and all(slab <= size < numel[name] for name, size in streamed_runs)
-    assert streamed["memory"]["workers"] == 2
+    assert in_runs["memory"]["workers"] == 2
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5])
@@ -96,19 +95,19 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     needs = memory.tensor_needs(*saved.load(whole["plan_dir"]))
     largest = max(needs, key=lambda n: n.whole)
     per_group = max(2 * max(n.least for n in needs), int(largest.whole * share))
-    windowed = []
-    real = GroupMerger._merge_windowed
+    merged = []
+    real = windowed.merge_windows
 
-    def spy(self, windows):
-        done = real(self, windows)
-        windowed.append((windows.name, len(windows.rows), done))
+    def spy(g, windows):
+        done = real(g, windows)
+        merged.append((windows.name, len(windows.rows), done))
         return done
 
-    monkeypatch.setattr(GroupMerger, "_merge_windowed", spy)
+    monkeypatch.setattr(windowed, "merge_windows", spy)
     got = merge(config=str(cfg), out=str(tmp_path / "windowed"), catalog=session_catalog, memory=str(2 * per_group))
     assert got["digest"] == whole["digest"]
-    assert {n for n, _, _ in windowed} == {n.name for n in needs if n.whole > per_group}
-    assert all(done and n_windows > 1 for _, n_windows, done in windowed)
+    assert {n for n, _, _ in merged} == {n.name for n in needs if n.whole > per_group}
+    assert all(done and n_windows > 1 for _, n_windows, done in merged)
     assert got["expert_bytes_read"] == whole["expert_bytes_read"] == got["expert_bytes_planned"]
     assert got["bytes"]["base"] == whole["bytes"]["base"] and whole["bytes"]["reread"] == 0
     reread, predicted = got["bytes"]["reread"], got["memory"]["reread_bytes_max"]
@@ -160,18 +159,18 @@ def test_small_tensors_merged_in_batches_give_the_bytes_of_tensor_by_tensor(
     (up to a cap that forces several batches here): the same digest and ledger bytes as one
     tensor at a time."""
     cfg = config_for(tmp_path, bf16_family, method, **extra)
-    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 0)
+    monkeypatch.setattr(memory, "BATCH_TENSOR_ELEMENTS", 0)
     alone = merge(config=str(cfg), out=str(tmp_path / "alone"), catalog=session_catalog)
-    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 1 << 18)
-    monkeypatch.setattr(group, "BATCH_ELEMENTS", 40_000)
+    monkeypatch.setattr(memory, "BATCH_TENSOR_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(batched, "BATCH_ELEMENTS", 40_000)
     batches = []
-    real = GroupMerger._merge_batch
+    real = batched.merge_batch
 
-    def spy(self, batch, planned):
+    def spy(g, batch, planned):
         batches.append([r.name for r in batch])
-        return real(self, batch, planned)
+        return real(g, batch, planned)
 
-    monkeypatch.setattr(GroupMerger, "_merge_batch", spy)
+    monkeypatch.setattr(batched, "merge_batch", spy)
     together = merge(config=str(cfg), out=str(tmp_path / "together"), catalog=session_catalog)
     assert together["digest"] == alone["digest"]
     assert together["bytes"] == alone["bytes"]
@@ -241,7 +240,7 @@ def test_base_bytes_where_no_delta_equal_the_formula_bit_for_bit(dtype, lam, wei
     import torch
 
     from mergepipe.execute.experts import LazyExperts
-    from mergepipe.execute.group import base_bits
+    from mergepipe.execute.streamed import base_bits
     from mergepipe.operators import TensorContext, get_operator
     from mergepipe.storage.safetensors_format import DTYPES, encode
 
@@ -286,10 +285,8 @@ def test_special_positions_equal_the_exponent_and_mantissa_test(dtype, step, mon
     pattern, and for wider dtypes the edges of each class and random bits."""
     import numpy as np
 
-    from mergepipe.execute import group
-
-    monkeypatch.setattr(group, "ELEMENT_STEP", step)
-    uint, exponent, mantissa = group._FLOAT_BITS[dtype]
+    monkeypatch.setattr(streamed, "ELEMENT_STEP", step)
+    uint, exponent, mantissa = streamed._FLOAT_BITS[dtype]
     if uint == np.uint16:
         bits = np.arange(1 << 16, dtype=np.uint32).astype(uint)
     else:
@@ -303,8 +300,8 @@ def test_special_positions_equal_the_exponent_and_mantissa_test(dtype, step, mon
     e = bits & uint(exponent)
     expected = np.flatnonzero((e == 0) | ((e == uint(exponent)) & ((bits & uint(mantissa)) != 0)))
     assert expected.size > 0
-    assert np.array_equal(group.special_positions(bits, dtype), expected)
-    assert group.special_positions(bits[:0], dtype).size == 0
+    assert np.array_equal(streamed.special_positions(bits, dtype), expected)
+    assert streamed.special_positions(bits[:0], dtype).size == 0
 
 
 def _reversed_copy(family, root):
@@ -338,23 +335,103 @@ def test_batches_read_in_file_order_whatever_order_the_file_keeps(bf16_family, t
     family (indexing on the way) gives the same digest."""
     fam = _reversed_copy(bf16_family, tmp_path / "fam")
     cfg = config_for(tmp_path, fam, "task_arithmetic", budget="100%")
-    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 0)
+    monkeypatch.setattr(memory, "BATCH_TENSOR_ELEMENTS", 0)
     # The first merge indexes on the way (index.tap finds each range's tensors in file order,
     # zero-size ones included), the second plans on that index.
     first = merge(config=str(cfg), out=str(tmp_path / "first"), catalog=session_catalog)
     assert "indexed_in_merge" in first
     alone = merge(config=str(cfg), out=str(tmp_path / "alone"), catalog=session_catalog)
     assert alone["digest"] == first["digest"] and "indexed_in_merge" not in alone
-    monkeypatch.setattr(group, "BATCH_TENSOR_ELEMENTS", 1 << 18)
-    monkeypatch.setattr(group, "BATCH_ELEMENTS", 40_000)
+    monkeypatch.setattr(memory, "BATCH_TENSOR_ELEMENTS", 1 << 18)
+    monkeypatch.setattr(batched, "BATCH_ELEMENTS", 40_000)
     ranges = []
-    real = GroupMerger._merge_batch
+    real = batched.merge_batch
 
-    def spy(self, batch, planned):
-        ranges.append([len(r.ranges) for r in planned[0]])
-        return real(self, batch, planned)
+    def spy(g, batch, planned):
+        ranges.append([len(r.ranges) for r in planned.requests])
+        return real(g, batch, planned)
 
-    monkeypatch.setattr(GroupMerger, "_merge_batch", spy)
+    monkeypatch.setattr(batched, "merge_batch", spy)
     together = merge(config=str(cfg), out=str(tmp_path / "together"), catalog=session_catalog)
     assert together["digest"] == alone["digest"] and together["bytes"] == alone["bytes"]
     assert len(ranges) > 2 and all(set(n) == {1} for n in ranges), ranges
+
+
+def test_merges_leave_the_cycle_collector_on_and_freeze_what_lives_long(
+    bf16_family, tmp_path, session_catalog, monkeypatch
+):
+    """No flow turns the collector off for the whole process (a library caller's objects are
+    collected as before); the headers and the plan are frozen out of its scans instead."""
+    import gc
+
+    from mergepipe.tasks import merge as merge_tasks
+
+    seen = []
+    real = merge_tasks.merge_group
+
+    def spy(*args, **kwargs):
+        seen.append((gc.isenabled(), gc.get_freeze_count()))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(merge_tasks, "merge_group", spy)
+    assert gc.isenabled()
+    merge(config=str(config_for(tmp_path, bf16_family, "ties")), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert seen and all(enabled and frozen > 0 for enabled, frozen in seen)
+    assert gc.isenabled()
+
+
+def test_one_rule_decides_each_tensors_form_for_the_plan_and_the_executor():
+    """merge_form, over every kind of need and share: whole or batched while a tensor fits (or
+    where its operator has no parts), else its operator's parts; held() follows it."""
+    from mergepipe.execute.memory import RUNS, WINDOWS, Form, TensorNeed, held, merge_form
+
+    for parts in ("", RUNS, WINDOWS):
+        for batchable in (False, True):
+            need = TensorNeed("t", "g", 1000, 10, parts, 4, 2, batchable)
+            small = Form.BATCHED if batchable else Form.WHOLE
+            assert merge_form(need, None) is small  # no limit: every tensor whole
+            assert merge_form(need, 10_000) is small and held(need, 10_000) == need.whole
+            big = {"": small, RUNS: Form.STREAMED, WINDOWS: Form.WINDOWED}[parts]
+            assert merge_form(need, 9_999) is big
+            assert held(need, 9_999) == (need.whole if big is small else need.per_element * max(9_999 // 10, 1 << 16))
+
+
+def test_the_executor_merges_each_tensor_in_the_form_the_rule_gives(
+    bf16_family, tmp_path, session_catalog, monkeypatch
+):
+    """Under a budget that streams the large tensors and batches the small ones, every tensor
+    goes through the module of the form merge_form gives it, and only that one."""
+    from mergepipe.execute import whole
+    from mergepipe.execute.memory import Form, merge_form
+
+    cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="60%")
+    plain = merge(config=str(cfg), out=str(tmp_path / "plain"), catalog=session_catalog)
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
+    plan, layout = saved.load(plain["plan_dir"])
+    needs = memory.tensor_needs(plan, layout)
+    per_group = 2 * max(n.least for n in needs)
+    taken: dict[str, Form] = {}
+
+    def spying(module, name, form, many=False):
+        real = getattr(module, name)
+
+        def spy(g, reads, *rest, **kw):
+            for r in reads if many else [reads]:
+                assert r.name not in taken, r.name
+                taken[r.name] = form
+            return real(g, reads, *rest, **kw)
+
+        monkeypatch.setattr(module, name, spy)
+
+    spying(whole, "merge_whole", Form.WHOLE)
+    spying(streamed, "merge_streamed", Form.STREAMED)
+    spying(batched, "merge_batch", Form.BATCHED, many=True)
+    got = merge(config=str(cfg), out=str(tmp_path / "parts"), catalog=session_catalog, memory=str(2 * per_group))
+    assert got["digest"] == plain["digest"] and got["memory"]["per_group_bytes"] == per_group
+    assert set(taken) == {n.name for n in needs}
+    for n in needs:
+        want = merge_form(n, per_group)
+        # a batchable tensor with no batchable neighbour is merged whole, alone
+        assert taken[n.name] is want or (want is Form.BATCHED and taken[n.name] is Form.WHOLE), n
+    assert {Form.STREAMED, Form.BATCHED} <= set(taken.values())

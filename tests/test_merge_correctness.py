@@ -81,9 +81,9 @@ def test_elections_from_the_stored_base_widened_slab_by_slab(
 ):
     """Every base tensor left as stored and widened a slab at a time (as an embedding is), the
     result rounded into the stored base's buffer or a fresh output: the reference, bit for bit."""
-    from mergepipe.execute import group as execution
+    from mergepipe.execute import whole
 
-    monkeypatch.setattr(execution, "WHOLE_BASE_BYTES", 0)
+    monkeypatch.setattr(whole, "WHOLE_BASE_BYTES", 0)
     fam = request.getfixturevalue(family)
     weights = [0.9, -0.4, 0.6]
     cfg = config_for(tmp_path, fam, method, weights=weights, density=0.5, seed=5, **dtypes)

@@ -130,7 +130,7 @@ def test_replay_refuses_a_changed_input(bf16_family, tmp_path, session_catalog):
     assert not (tmp_path / "again").exists()
 
 
-def test_merge_artifacts_can_be_read_back_from_the_api(bf16_family, tmp_path, session_catalog):
+def test_merge_artifacts_can_be_read_back_from_the_api(bf16_family, tmp_path, session_catalog, prefect_flows):
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 

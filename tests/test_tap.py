@@ -11,8 +11,9 @@ from safetensors.torch import load_file
 
 from mergepipe.devtools.synthetic import make_family
 from mergepipe.index.family import load_family
+from mergepipe.index.first_merge import tap_stats
 from mergepipe.index.stats import compute_stats
-from mergepipe.index.tap import StatsTap, tap_stats
+from mergepipe.index.tap import StatsTap
 from mergepipe.plan.record import describe_inputs
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader, ReadRequest

@@ -348,37 +348,3 @@ def test_sweep_plot_marks_a_heuristic_bound_and_shares_its_axes(guaranteed):
         assert lines.get("bound") == "--" and "heuristic (not a bound)" not in lines
     else:
         assert lines.get("heuristic (not a bound)") == ":" and "bound" not in lines
-
-
-def test_cycle_collection_is_paused_while_flows_run_and_restored_after():
-    import gc
-    import threading
-
-    from mergepipe.flows.orchestration import gc_paused
-
-    assert gc.isenabled()
-    inside = threading.Event()
-    leave = threading.Event()
-
-    def other_flow():
-        with gc_paused():
-            inside.set()
-            leave.wait(10)
-
-    t = threading.Thread(target=other_flow)
-    t.start()
-    inside.wait(10)
-    with pytest.raises(RuntimeError), gc_paused():
-        assert not gc.isenabled()
-        raise RuntimeError("a flow fails")
-    assert not gc.isenabled()  # the other flow still runs
-    leave.set()
-    t.join()
-    assert gc.isenabled()
-    gc.disable()
-    try:
-        with gc_paused():
-            pass
-        assert not gc.isenabled()  # paused by someone else before: left so
-    finally:
-        gc.enable()

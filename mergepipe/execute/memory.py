@@ -1,5 +1,7 @@
 """The memory a merge holds, predicted from its plan, and how it is kept under a budget: how
-many layer groups run at once, and the runs of elements a large tensor is merged in.
+many layer groups run at once, and how each tensor is merged (merge_form: whole, batched with
+its neighbours, streamed in runs, or in passes over windows), which the prediction and the
+executor both ask.
 
 The prediction counts the buffers the executor and the operators allocate per element of a
 tensor merged at once (the stored base and its fp32 form, the operator's fp32 work buffers, the
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import NamedTuple
 
 from mergepipe.errors import BadInput
@@ -19,8 +22,12 @@ from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.safetensors_format import DTYPES
 
-# A base tensor up to this many fp32 bytes is widened whole by the slab forms (execute.group).
+# A base tensor up to this many fp32 bytes is widened whole by the slab forms (execute.whole).
 WHOLE_BASE_BYTES = 64 << 20
+# Float tensors of at most this many elements are merged by an elementwise operator in batches
+# (execute.batched): per tensor, a read, an operator call and a write cost more than the
+# arithmetic on a few thousand elements.
+BATCH_TENSOR_ELEMENTS = 1 << 18
 # The interpreter, torch, DuckDB, Arrow and their pools, before any tensor is held.
 PROCESS_BYTES = 768 << 20
 # The part of the budget a merge that indexes on the way (index.tap) leaves to the statistics:
@@ -31,15 +38,34 @@ INDEXING_SHARE = 0.125
 MIN_SLAB_ELEMENTS = 1 << 16
 
 
+class Form(Enum):
+    """How one tensor is merged (merge_form)."""
+
+    WHOLE = "whole"  # read whole, merged in one call (or slab by slab into the stored base)
+    BATCHED = "batched"  # read, merged and written with its small neighbours as one run
+    STREAMED = "streamed"  # a run of elements at a time, each written where it belongs
+    WINDOWED = "windowed"  # a window of rows at a time, in passes over the windows
+
+
+# How a tensor too large for its share may be cut (TensorNeed.parts).
+RUNS, WINDOWS = "runs", "windows"
+
+
 class TensorNeed(NamedTuple):
     # A tuple: a plan of 100k tensors builds one per tensor.
     name: str
     group: str
     numel: int
     per_element: int  # bytes held per element merged at once
-    streams: bool  # the operator may merge it a run of elements, or a window of rows, at a time
+    parts: str = ""  # RUNS or WINDOWS: how the operator may merge it in parts ("": only whole)
     read_per_element: int = 0  # bytes read per element in one pass (the base and every expert)
     passes: int = 1  # passes over its windows when it is merged a window at a time
+    batchable: bool = False  # small and elementwise: may be merged with its neighbours
+
+    @property
+    def streams(self) -> bool:
+        """The operator may merge it a run of elements, or a window of rows, at a time."""
+        return bool(self.parts)
 
     @property
     def whole(self) -> int:
@@ -102,7 +128,7 @@ def _need_of(method: str, dtype: str, shape: tuple[int, ...], expert_dtypes, out
     dt = DTYPES[dtype]
     numel = math.prod(shape)
     if not dt.is_float:  # copied as stored
-        return numel, dt.itemsize, False
+        return numel, dt.itemsize
     # Every form holds the stored base, the experts' stored rows and the output.
     read = dt.itemsize + sum(DTYPES[d].itemsize for d in expert_dtypes)
     per = read + DTYPES[out_dtype].itemsize
@@ -112,15 +138,11 @@ def _need_of(method: str, dtype: str, shape: tuple[int, ...], expert_dtypes, out
         per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
     else:  # whole fp32 tensors: the base, a few work buffers, each expert's values and delta
         per += 4 * (3 + 2 * len(expert_dtypes))
-    windowed = op.windows_apply(params, tuple(shape))
-    passes = op.window_passes(params) if windowed else 1
-    return numel, per, op.elementwise or windowed, read, passes
-
-
-def most_per_element(n_inputs: int) -> int:
-    """Bytes per element that no tensor's need (_need_of) exceeds, with n_inputs models (the
-    base and the experts): 8-byte dtypes throughout and the whole-tensor form's buffers."""
-    return 8 * (n_inputs + 1) + 4 * (3 + 2 * n_inputs)
+    if op.elementwise:
+        return numel, per, RUNS, read, 1, 0 < numel <= BATCH_TENSOR_ELEMENTS
+    if op.windows_apply(params, tuple(shape)):
+        return numel, per, WINDOWS, read, op.window_passes(params)
+    return numel, per, "", read
 
 
 def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
@@ -128,9 +150,19 @@ def tensor_needs(plan: Plan, layout: OutputLayout) -> list[TensorNeed]:
     return [tensor_need(plan, layout, g, name, table, kinds) for g, names in layout.groups.items() for name in names]
 
 
+def merge_form(need: TensorNeed, per_group: int | None) -> Form:
+    """How a tensor is merged when its group may hold per_group bytes (None: no limit): whole,
+    or with its neighbours when it is small and elementwise, while it fits; else in the parts
+    its operator allows. A tensor that fits in no part is merged whole: plan_memory has refused
+    the budget by then, or warned where the budget was the default."""
+    if per_group is None or need.whole <= per_group or not need.parts:
+        return Form.BATCHED if need.batchable else Form.WHOLE
+    return Form.STREAMED if need.parts == RUNS else Form.WINDOWED
+
+
 def held(need: TensorNeed, per_group: int) -> int:
     """What merging this tensor holds when a group may hold per_group bytes."""
-    if need.whole <= per_group or not need.streams:
+    if merge_form(need, per_group) in (Form.WHOLE, Form.BATCHED):
         return need.whole
     return slab_elements(need, per_group) * need.per_element
 
@@ -151,7 +183,7 @@ def window_plan(need: TensorNeed, per_group: int) -> tuple[int, int]:
 def reread_bytes(need: TensorNeed, per_group: int) -> int:
     """The most a tensor merged a window at a time reads again: every pass after the first
     reads what was not kept (the windows past the kept ones)."""
-    if need.passes <= 1 or need.whole <= per_group:
+    if need.passes <= 1 or merge_form(need, per_group) is not Form.WINDOWED:
         return 0
     _, keep = window_plan(need, per_group)
     return (need.passes - 1) * max(0, need.numel * need.read_per_element - keep)
@@ -183,7 +215,7 @@ def plan_memory(
     workers = max(1, min(workers, len(layout.groups)))
     while True:
         per_group = (usable - PROCESS_BYTES) // workers
-        if workers == 1 or all(n.streams or n.whole <= per_group for n in needs):
+        if workers == 1 or all(n.parts or n.whole <= per_group for n in needs):
             break
         workers -= 1
     by_group: dict[str, int] = {}

@@ -17,15 +17,15 @@ from mergepipe.config.environment import results_dir, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.execute.group import finished_group
+from mergepipe.execute.group import GroupResult, finished_group
 from mergepipe.execute.memory import MemoryPlan, plan_memory
 from mergepipe.flows.artifacts import summary_artifact
 from mergepipe.flows.executor import run_groups
 from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
+from mergepipe.index.first_merge import check_recorded_plan, count_unchanged_as_index, tap_stats
 from mergepipe.index.stats import first_nonfinite
-from mergepipe.index.tap import tap_stats, unchanged_blocks
 from mergepipe.plan import saved
 from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
@@ -35,6 +35,7 @@ from mergepipe.storage import writer
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
 from mergepipe.tasks import progress
+from mergepipe.tasks.declare import freeze_long_lived
 from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
 from mergepipe.tasks.merge import finish_output, publish_output, record_run, stage_output
 from mergepipe.tasks.plan import plan_merge
@@ -79,6 +80,7 @@ def run_index(spec: MergeSpec, catalog: Path, *, first_merge: bool = False) -> I
     t0 = time.perf_counter()
     ledger = ByteLedger()
     family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
+    freeze_long_lived()
     ledger.merge(rows)
     # Parameters that depend on tensor names (filters, gradients) are checked now, before any
     # statistics pass, so a config that cannot merge fails fast.
@@ -154,6 +156,7 @@ class Execution:
     t0: float
     expected_digest: str | None = None
     first: FirstMerge | None = None
+    memory: MemoryPlan | None = None  # made by the flow where it decided on it; else by execute_plan
 
 
 class _GroupResults:
@@ -167,11 +170,11 @@ class _GroupResults:
         self.index: list[tuple[dict, bool]] = []  # what the groups of a first merge indexed, resumed or not
         self.rep = rep
 
-    def add(self, group: str, result: dict, resumed: bool) -> None:
-        rows = result["rows"]
-        self.workers[group] = result["worker"]
-        if result.get("index") is not None:
-            self.index.append((result["index"], resumed))
+    def add(self, group: str, result: GroupResult) -> None:
+        rows, resumed = result.rows, result.resumed
+        self.workers[group] = result.worker
+        if result.index is not None:
+            self.index.append((result.index, resumed))
         if resumed:
             self.resumed.merge(rows)
             self.resumed_groups.append(group)
@@ -194,7 +197,7 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
         for g in groups:
             done = finished_group(layout, g, Path(staging))
             if done is not None:
-                results.add(g, done, True)
+                results.add(g, done)
             else:
                 todo.append(g)
         params = [
@@ -203,7 +206,7 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
                 "group": g,
                 "staging": staging,
                 "options_from": ex.request.options_from,
-                "memory": memory.per_group,
+                "memory": memory,
                 "index": ex.first.positions if ex.first else None,
             }
             for g in todo
@@ -213,57 +216,43 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
             run_groups(params, ex.request.runner, memory.workers) as finished,
         ):
             for group, result in finished:
-                results.add(group, result, False)
+                results.add(group, result)
     finally:
         rep.finish("read")
         rep.finish("merge")
 
 
-def index_from_merge(ex: Execution, parts: list[dict]) -> tuple[Plan, str]:
-    """A first merge's statistics into the catalog, then the plan the merge is recorded under:
-    the one a merge of the indexed family chooses, which must be the plan executed less the
-    blocks found unchanged (reading those changed no output byte)."""
-    first, spec = ex.first, ex.request.spec
-    result = tap_stats(parts, first.family, first.positions)
+def index_from_merge(ex: Execution, results: _GroupResults) -> dict:
+    """A first merge's statistics (what its groups' taps measured) into the catalog; then the
+    plan the merge is recorded under, put in `ex`: the one a merge of the indexed family chooses
+    (index.first_merge.check_recorded_plan), whose expert bytes the merge read once the blocks
+    found unchanged count as index reads. Returns the run's `indexed_in_merge` record."""
+    first, spec, executed = ex.first, ex.request.spec, ex.plan
+    result = tap_stats([part for part, _ in results.index], first.family, first.positions)
     problem = None if spec.allow_nonfinite else first_nonfinite(result, first.family)
     if problem:  # refused before ingestion, as the statistics pass refuses it
         raise BadInput(problem)
     run_task(ingest_block_stats, first.family, first.positions, spec.block_size_bytes, result, ex.request.catalog)
-    plan, _, plan_dir, _ = run_task(
+    ex.plan, _, ex.plan_dir, _ = run_task(
         plan_merge, spec, first.family, {**first.content, **result.content}, ex.request.catalog
     )
-    fps = first.family.expert_fps()
-    unchanged = {(fp, t, b) for fp, t, b, _ in unchanged_blocks(result.stats)}
-    executed = ex.plan.access
-    expected = {
-        (e, t, b)
-        for e, t, b in zip(*(executed[c].to_pylist() for c in ("expert", "tensor", "block")))
-        if (fps[e], t, b) not in unchanged
-    }
-    chosen = set(zip(*(plan.access[c].to_pylist() for c in ("expert", "tensor", "block"))))
-    if chosen != expected:
+    check_recorded_plan(executed.access, ex.plan.access, result.stats, first.family.expert_fps())
+    unchanged = sum(
+        count_unchanged_as_index(part["stats"], executed.inputs, results.resumed if resumed else results.ledger)
+        for part, resumed in results.index
+    )
+    read = results.ledger.total("expert") + results.resumed.total("expert")
+    if read != ex.plan.expert_bytes_planned:
         raise MergepipeError(
-            f"the plan chosen after indexing differs from the blocks merged ({len(chosen)} pairs against "
-            f"{len(expected)}); not publishing"
+            f"the merge read {read} bytes of changed blocks but the plan chosen after indexing has "
+            f"{ex.plan.expert_bytes_planned}; not publishing"
         )
-    return plan, plan_dir
-
-
-def _count_as_index(part: dict, executed: Plan, ledger: ByteLedger) -> int:
-    """Move the bytes of the blocks a group found unchanged (read by every position listing
-    that expert) from `expert` to `index` in its ledger; returns how many."""
-    positions: dict[str, list[int]] = {}
-    for k, inp in enumerate(executed.inputs[1:]):
-        positions.setdefault(inp.model_fp, []).append(k)
-    moved = 0
-    for fp, tensor, _, nbytes in unchanged_blocks(part["stats"]):
-        for k in positions[fp]:
-            inp = executed.inputs[k + 1]
-            file = inp.tensors[tensor].file
-            ledger.add("expert", inp.role, file, -nbytes, requests=0)
-            ledger.add("index", inp.role, file, nbytes, requests=0)
-            moved += nbytes
-    return moved
+    return {
+        "experts": [expert_label(i) for i in first.positions],
+        "expert_bytes_executed": executed.expert_bytes_planned,
+        "unchanged_bytes_read": unchanged,
+        "index_bytes": results.ledger.total("index") + results.resumed.total("index"),
+    }
 
 
 def execute_plan(ex: Execution) -> dict:
@@ -273,12 +262,14 @@ def execute_plan(ex: Execution) -> dict:
     before it) so realized bytes compare one to one with planned bytes; a first merge's reads
     for the index alone count as `index` in the execution ledger."""
     plan, request, out = ex.plan, ex.request, ex.request.out
-    # Refused before anything is staged or read when even one group at a time cannot fit.
-    memory = plan_memory(
+    # Refused before anything is staged or read when even one group at a time cannot fit. Made
+    # once per merge, and passed down to every group unchanged.
+    memory = ex.memory or plan_memory(
         plan, saved.load(ex.plan_dir)[1], request.memory, worker_count(), request.memory_given, ex.first is not None
     )
     if memory.warning:
         log.warning(memory.warning)
+    freeze_long_lived()  # the plan and its layout
     staging = run_task(stage_output, ex.plan_dir, out)
     results = _GroupResults(progress.reporter())
     ledger, resumed = results.ledger, results.resumed
@@ -295,25 +286,9 @@ def execute_plan(ex: Execution) -> dict:
             )
         if ex.first is not None:
             t_index = time.perf_counter()
-            executed = plan
-            plan, ex.plan_dir = index_from_merge(ex, [part for part, _ in results.index])
-            # The unchanged blocks were read for the index alone: their bytes count as `index`.
-            unchanged = 0
-            for part, was_resumed in results.index:
-                unchanged += _count_as_index(part, executed, resumed if was_resumed else ledger)
-            expert_read = ledger.total("expert")
-            if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
-                raise MergepipeError(
-                    f"the merge read {expert_read + resumed.total('expert')} bytes of changed blocks "
-                    f"but the plan chosen after indexing has {plan.expert_bytes_planned}; not publishing"
-                )
+            indexed = index_from_merge(ex, results)
+            plan, expert_read = ex.plan, ledger.total("expert")
             ex.timings["index_in_merge"] = time.perf_counter() - t_index
-            indexed = {
-                "experts": [expert_label(i) for i in ex.first.positions],
-                "expert_bytes_executed": executed.expert_bytes_planned,
-                "unchanged_bytes_read": unchanged,
-                "index_bytes": ledger.total("index") + resumed.total("index"),
-            }
         t_finish = time.perf_counter()
         output, rows = run_task(finish_output, ex.plan_dir, staging)
         ledger.merge(rows)

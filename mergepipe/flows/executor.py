@@ -10,13 +10,14 @@ from concurrent.futures import as_completed as futures_completed
 from contextlib import contextmanager
 
 from mergepipe.config.request import Runner
+from mergepipe.execute.group import GroupResult
 from mergepipe.flows.orchestration import call_with_retries, in_process
 from mergepipe.flows.runners import layer_task_runner
 from mergepipe.tasks.merge import merge_layer_group
 
 
 @contextmanager
-def _in_process(params: list[dict], workers: int) -> Iterator[Iterator[tuple[str, dict]]]:
+def _in_process(params: list[dict], workers: int) -> Iterator[Iterator[tuple[str, GroupResult]]]:
     with ThreadPoolExecutor(workers) as pool:
         futures = {pool.submit(call_with_retries, merge_layer_group, **p): p["group"] for p in params}
         try:
@@ -28,7 +29,7 @@ def _in_process(params: list[dict], workers: int) -> Iterator[Iterator[tuple[str
 
 
 @contextmanager
-def _with_prefect(params: list[dict], runner: Runner, workers: int) -> Iterator[Iterator[tuple[str, dict]]]:
+def _with_prefect(params: list[dict], runner: Runner, workers: int) -> Iterator[Iterator[tuple[str, GroupResult]]]:
     from prefect.futures import as_completed, wait
 
     task = merge_layer_group.prefect

@@ -108,7 +108,7 @@ def merge(
     )
     outcome = run_index(request.spec, request.catalog, first_merge=True)
     t_plan = time.perf_counter()
-    first = None
+    first = mem = None
     if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
         p, plan_dir = run_task(
             plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
@@ -130,4 +130,6 @@ def merge(
         p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
         plan_artifact(plan_result(p, request.spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
-    return execute_plan(Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first))
+    ex = Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first)
+    ex.memory = mem if first is not None else None
+    return execute_plan(ex)

@@ -16,15 +16,12 @@ configured. The Dask runner always needs Prefect.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import sys
-import threading
 import tomllib
-from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from mergepipe.errors import BadInput
 from mergepipe.tasks.declare import _in_process, call_with_retries, in_process, run_task
@@ -114,43 +111,15 @@ def declare_flow(name: str, thread_pool: bool = False) -> Callable[[Callable], D
     return lambda fn: DeclaredFlow(fn, name, thread_pool)
 
 
-_gc_lock = threading.Lock()
-_gc_holders = 0
-_gc_was_enabled = False
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """CPython's cycle collector paused while flows run in this process (reference counting
-    frees everything else; cycles made meanwhile are collected once the last flow ends). A
-    flow over 100k tensors builds millions of long-lived objects (headers, plans, reads), and
-    the collector, run every few hundred allocations, rescans them: a third of such a merge's
-    time went there."""
-    global _gc_holders, _gc_was_enabled
-    with _gc_lock:
-        if _gc_holders == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_holders += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_holders -= 1
-            if _gc_holders == 0 and _gc_was_enabled:
-                gc.enable()
-
-
 def run_flow(flow: DeclaredFlow, **params: Any) -> Any:
     """Run a flow: a Prefect flow run, or its plain function in this process."""
-    with gc_paused():
-        if in_process() or not use_prefect(params.get("runner", "thread")):
-            token = _in_process.set(True)
-            try:
-                return flow.fn(**params)
-            finally:
-                _in_process.reset(token)
-        return flow.prefect(**params)
+    if in_process() or not use_prefect(params.get("runner", "thread")):
+        token = _in_process.set(True)
+        try:
+            return flow.fn(**params)
+        finally:
+            _in_process.reset(token)
+    return flow.prefect(**params)
 
 
 def publish_artifact(create: Callable[..., Any], **kwargs: Any) -> None:

@@ -321,7 +321,8 @@ def compute_stats(
     ):
         pending = deque(ahead.submit(reader.read_batch, b.requests) for b in batches[:READ_AHEAD])
         for i, batch in enumerate(batches):
-            batch_chunks = [memoryview(bufs[0]) for bufs in pending.popleft().result()]
+            read = pending.popleft().result()
+            batch_chunks = [memoryview(bufs[0]) for bufs in read]
             if i + READ_AHEAD < len(batches):
                 pending.append(ahead.submit(reader.read_batch, batches[i + READ_AHEAD].requests))
             blocks = _Blocks(len(models))
@@ -342,6 +343,7 @@ def compute_stats(
                     stats.append(measured)
             if progress:
                 progress(sum(len(c) for c in batch_chunks[1:]))
+            reader.release([bufs[0] for bufs in read])  # measured: the mappings serve later batches
     _SCRATCH.arrays.clear()  # the pool's threads took theirs with them
     result = StatsResult(
         pa.Table.from_batches(stats, schema=STATS_SCHEMA).combine_chunks(),

@@ -23,23 +23,21 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from mergepipe.config.spec import expert_label
-from mergepipe.errors import MergepipeError
+from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.index.blocks import block_rows, layer_group, row_elems
-from mergepipe.index.family import Family
 from mergepipe.index.stats import (
     BLOCKS_SCHEMA,
     STATS_SCHEMA,
-    StatsResult,
     base_strip,
     block_hash,
-    content_digest,
+    buffer_differs_message,
     delta_strip,
     strip_bytes,
 )
 from mergepipe.ranges import strips
+from mergepipe.storage.location import join
+from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES
 
 HASHES_SCHEMA = pa.schema([("role", pa.string()), ("tensor", pa.string()), ("sha256", pa.string())])
@@ -110,6 +108,27 @@ class _Streamed:
     def __init__(self, kind: _Kind) -> None:
         self.streams = [_Stream(n) for n in kind.nbytes]
         self.next = 0
+
+
+class TappedReader:
+    """A RangeReader whose reads also feed a StatsTap."""
+
+    def __init__(self, reader: RangeReader, tap: "StatsTap") -> None:
+        self.reader, self.tap = reader, tap
+
+    def read_batch(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
+        out = self.reader.read_batch(requests)
+        self.tap.feed(requests, out)
+        return out
+
+    def prefetch(self, requests: list[ReadRequest]) -> None:
+        self.reader.prefetch(requests)
+
+    def release(self, buffers=None) -> None:
+        self.reader.release(buffers)
+
+    def close(self) -> None:
+        self.reader.close()
 
 
 class StatsTap:
@@ -324,6 +343,27 @@ class StatsTap:
         ):
             self.stats[col].extend(values)
 
+    def finish(self, reader, names: list[str]) -> dict:
+        """The result, once the experts' non-float buffers (which a merge copies from the base
+        and never reads) are read through `reader` (a TappedReader over this tap) for their
+        hashes, and found identical to the base's."""
+        kept = [n for n in names if not DTYPES[self.inputs[0].tensors[n].dtype].is_float]
+        experts = self.models[1:]
+        for name in kept:
+            for m in experts:
+                x = self.inputs[m].tensors[name]
+                path = join(self.inputs[m].root, x.file)
+                reader.read_batch(
+                    [ReadRequest(path, [(x.start, x.start + x.nbytes)], "index", self.inputs[m].role, x.file)]
+                )
+        result = self.result()
+        for name in kept:
+            for m in experts:
+                if self.sha256(m, name) != self.sha256(0, name):
+                    dtype = self.inputs[0].tensors[name].dtype
+                    raise BadInput(buffer_differs_message(m - 1, self.inputs[m].uri, name, dtype))
+        return result
+
     def sha256(self, position: int, name: str) -> str | None:
         """A model's (input position) SHA-256 of tensor `name`, once every byte of it has come."""
         p, i = self.models.index(position), self._number[name]
@@ -365,28 +405,3 @@ class StatsTap:
                     schema=HASHES_SCHEMA,
                 ),
             }
-
-
-def tap_stats(parts: list[dict], family: Family, positions: list[int]) -> StatsResult:
-    """The statistics pass's result (index.stats.compute_stats) from every layer group's tap
-    result, for the experts at `positions`: the same rows, layout and content digests."""
-    stats = pa.concat_tables([p["stats"] for p in parts]).combine_chunks() if parts else STATS_SCHEMA.empty_table()
-    blocks = pa.concat_tables([p["blocks"] for p in parts]).combine_chunks() if parts else BLOCKS_SCHEMA.empty_table()
-    result = StatsResult(stats, blocks)
-    hashes = pa.concat_tables([p["sha256"] for p in parts]) if parts else HASHES_SCHEMA.empty_table()
-
-    def of(role: str) -> dict[str, str]:
-        mine = hashes.filter(pc.equal(hashes["role"], role))
-        return dict(zip(mine["tensor"].to_pylist(), mine["sha256"].to_pylist()))
-
-    result.content[family.base_fp] = content_digest(of("base"), family.base)
-    fps = family.expert_fps()
-    for i in positions:
-        result.content[fps[i]] = content_digest(of(expert_label(i)), family.experts[i])
-    return result
-
-
-def unchanged_blocks(stats: pa.Table) -> list[tuple[str, str, int, int]]:
-    """(expert_fp, tensor, block, bytes) of the statistics rows whose block equals the base's."""
-    rows = stats.filter(pc.equal(stats["nnz_delta"], 0))
-    return list(zip(*(rows[c].to_pylist() for c in ("expert_fp", "tensor", "block", "bytes"))))

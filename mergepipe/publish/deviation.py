@@ -27,7 +27,9 @@ def _chunks(model: ModelFiles, name: str, reader: RangeReader, role: str):
         start, end = byte_range(loc.info.start, shape, itemsize, r0, r1)
         # Counted as a verification read (this reader's ledger is not part of any merge's).
         raw = reader.read(path, start, end, role="checksum", model=role, file=loc.file)
-        yield decode(raw, dtype, (r1 - r0, width) if len(shape) else ()).to(torch.float64)
+        values = decode(raw, dtype, (r1 - r0, width) if len(shape) else ()).to(torch.float64, copy=True)
+        reader.release([raw])
+        yield values
 
 
 def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections import defaultdict
 
-# reread: bytes read again by a merge in passes over windows (execute.windows), beyond the
+# reread: bytes read again by a merge in passes over windows (execute.windowed), beyond the
 # base and expert bytes the plan counts once. index: bytes a first merge that indexes on the
 # way reads only for the index (blocks found unchanged, the experts' non-float buffers).
 ROLES = ("header", "base", "expert", "reread", "index", "output", "checksum", "sidecar", "upload")

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 import threading
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mergepipe.errors import BadInput, MergepipeError
@@ -79,7 +79,10 @@ def read_small_file(uri: str) -> bytes:
 
 
 class RangeReader:
-    """Reads byte ranges of files and records them in a ledger. Safe to share across threads."""
+    """Reads byte ranges of files and records them in a ledger. Safe to share across threads.
+
+    Ranges read with O_DIRECT come back as views of mappings lent by DIRECT_BUFFERS: the reader
+    holds them until release() (or close) says their views are no longer used."""
 
     def __init__(self, ledger: ByteLedger | None = None) -> None:
         self.ledger = ledger if ledger is not None else ByteLedger()
@@ -87,6 +90,7 @@ class RangeReader:
         self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
         self._open = True
+        self._lent: dict[int, mmap.mmap] = {}  # the mappings of direct reads not given back yet
         DIRECT_BUFFERS.reader_opened()
 
     def _fd(self, path: str) -> int:
@@ -169,14 +173,31 @@ class RangeReader:
             if direct_applies(start, end):
                 dfd = self._direct_fd(path)
                 if dfd is not None:
-                    out.append(_read_direct(path, dfd, start, end))
+                    view = _read_direct(path, dfd, start, end)
+                    with self._lock:
+                        self._lent[id(view.obj)] = view.obj
+                    out.append(view)
                     continue
             buf = bytearray(end - start)
             _read_into(path, fd, memoryview(buf), start, end - start)
             out.append(buf)
         return out
 
+    def release(self, buffers: Iterable[Buffer] | None = None) -> None:
+        """The mappings under these buffers (what read_batch returned), or under every buffer
+        read so far, given back for other reads: the caller keeps no view or array of them."""
+        with self._lock:
+            if buffers is None:
+                maps = list(self._lent.values())
+                self._lent.clear()
+            else:
+                maps = [
+                    self._lent.pop(id(b.obj)) for b in buffers if isinstance(b, memoryview) and id(b.obj) in self._lent
+                ]
+        DIRECT_BUFFERS.give_back(maps)
+
     def close(self) -> None:
+        self.release()
         with self._lock:
             for fd in [*self._fds.values(), *self._direct_fds.values()]:
                 if fd is not None:
@@ -218,22 +239,21 @@ def _read_direct(path: str, fd: int, start: int, end: int) -> memoryview:
     a0 = start - start % DIRECT_ALIGN
     a1 = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
     # The mapping may be longer than the pages asked for (a reused one): read only those.
-    view = DIRECT_BUFFERS.take(a1 - a0)[: a1 - a0]
+    view = memoryview(DIRECT_BUFFERS.take(a1 - a0))[: a1 - a0]
     _read_into(path, fd, view, a0, end - a0)
     return view[start - a0 : end - a0]
 
 
 class DirectBuffers:
-    """The anonymous mappings direct reads fill, kept for reuse once nothing refers to them.
+    """The anonymous mappings direct reads fill, lent to the readers that read into them and
+    given back by those readers (RangeReader.release) once their callers use no view of them.
 
     The kernel zeroes a fresh mapping's pages as they are first touched, which costs more CPU
-    than the read itself; a mapping reused holds pages already there. A mapping is free when
-    no view of it is alive: every view, and every array made from one, holds its buffer export,
-    which holds a reference to the mapping (CPython's reference count tells; the baseline is
-    measured, not assumed). A read takes the smallest free mapping that holds it. Memory stays
-    within what the reads held at their peak: a new mapping is made only when every free one is
-    shorter, and free ones at least as large in all are dropped first, least recently used first.
-    All free ones go when the last open RangeReader closes."""
+    than the read itself; a mapping given back is lent again with its pages already there. A
+    read takes the smallest free mapping that holds it. Memory stays within what the reads held
+    at their peak: a new mapping is made only when every free one is shorter, and free ones at
+    least as large in all are dropped first, least recently given back first. All free ones go
+    when the last open RangeReader closes."""
 
     # Long mappings are made in whole huge pages, so that slabs of about one size share them;
     # short ones in pages, so that rounding never adds more than a sixteenth.
@@ -242,48 +262,42 @@ class DirectBuffers:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: list[mmap.mmap] = []  # least recently taken first
+        self._free: list[mmap.mmap] = []  # least recently given back first
+        self._lent: dict[int, mmap.mmap] = {}
         self._readers = 0
-        probe = [mmap.mmap(-1, mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)]
-        self._free_refs = self._refs(probe, 0)  # a mapping only this list refers to
-        probe[0].close()
 
-    @staticmethod
-    def _refs(maps: list[mmap.mmap], i: int) -> int:
-        return sys.getrefcount(maps[i])
-
-    def _free(self) -> list[int]:
-        return [i for i in range(len(self._maps)) if self._refs(self._maps, i) == self._free_refs]
-
-    def take(self, size: int) -> memoryview:
-        """A writable view of at least `size` bytes of a mapping nobody else uses."""
+    def take(self, size: int) -> mmap.mmap:
+        """A mapping of at least `size` bytes, lent until given back."""
         grain = self.GRAIN if size >= self.GRAIN_FROM else mmap.PAGESIZE
         size = -(-size // grain) * grain
         with self._lock:
-            free = self._free()
-            fits = [i for i in free if len(self._maps[i]) >= size]
+            fits = [m for m in self._free if len(m) >= size]
             if fits:  # the smallest that holds it: its pages beyond `size` stay as they are
-                buf = self._maps.pop(min(fits, key=lambda i: len(self._maps[i])))
+                buf = min(fits, key=len)
+                self._free.remove(buf)
             else:  # every free one is shorter: drop enough of them to make room for this one
-                dropped, drop = 0, set()
-                for i in free:
-                    if dropped >= size:
-                        break
-                    drop.add(i)
-                    dropped += len(self._maps[i])
-                for i in drop:
-                    self._maps[i].close()
-                self._maps = [m for i, m in enumerate(self._maps) if i not in drop]
+                dropped = 0
+                while self._free and dropped < size:
+                    old = self._free.pop(0)
+                    dropped += len(old)
+                    _unmap(old)
                 buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
                     buf.madvise(mmap.MADV_HUGEPAGE)  # a fault per 2 MiB, not per 4 KiB page
-            self._maps.append(buf)
-            return memoryview(buf)  # made under the lock: no other thread sees this one free
+            self._lent[id(buf)] = buf
+            return buf
+
+    def give_back(self, maps: list[mmap.mmap]) -> None:
+        with self._lock:
+            for m in maps:
+                if self._lent.pop(id(m), None) is not None:
+                    self._free.append(m)
 
     def held(self) -> tuple[int, int]:
         """Bytes mapped, and bytes of them free."""
         with self._lock:
-            return sum(len(m) for m in self._maps), sum(len(self._maps[i]) for i in self._free())
+            free = sum(len(m) for m in self._free)
+            return free + sum(len(m) for m in self._lent.values()), free
 
     def reader_opened(self) -> None:
         with self._lock:
@@ -294,10 +308,17 @@ class DirectBuffers:
             self._readers -= 1
             if self._readers:
                 return
-            for i in self._free():
-                self._maps[i].close()
-            # mappings still in use are left to their views, and unmapped when those go
-            self._maps = []
+            for m in self._free:
+                _unmap(m)
+            self._free = []
+
+
+def _unmap(m: mmap.mmap) -> None:
+    """Unmap now, or, where a view is still alive (a caller gave back too early), when it goes."""
+    try:
+        m.close()
+    except BufferError:
+        pass
 
 
 DIRECT_BUFFERS = DirectBuffers()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+import gc
 import random
 import time
 from functools import cached_property
@@ -19,6 +20,14 @@ _in_process: contextvars.ContextVar[bool] = contextvars.ContextVar("mergepipe_in
 def in_process() -> bool:
     """Whether the running flow runs without Prefect (tasks are then plain calls)."""
     return _in_process.get()
+
+
+def freeze_long_lived() -> None:
+    """Take the objects alive now out of the cycle collector's scans (gc.freeze): once a family's
+    headers and a plan over 100k tensors are built, they are millions of long-lived objects
+    that every full collection would walk again. They are still freed by reference counting
+    when dropped; only cycles among them would wait for gc.unfreeze."""
+    gc.freeze()
 
 
 def retry_unless_bad_input(task, task_run, state) -> bool:

@@ -11,7 +11,8 @@ from mergepipe.catalog import db, records
 from mergepipe.config.environment import spool_dir
 from mergepipe.config.spec import storage_options_of
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.execute.group import merge_group
+from mergepipe.execute.group import GroupResult, merge_group
+from mergepipe.execute.memory import MemoryPlan
 from mergepipe.plan import saved
 from mergepipe.publish.checks import changed_inputs
 from mergepipe.publish.manifest import build_manifest, write_manifest, write_output_files
@@ -19,7 +20,7 @@ from mergepipe.storage import writer
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
 from mergepipe.tasks import progress
-from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task
+from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
 
 
 @declare_task("stage-output", **STORAGE_RETRIES)
@@ -38,25 +39,23 @@ def merge_layer_group(
     group: str,
     staging: str,
     options_from: str | None = None,
-    memory: int | None = None,
+    memory: MemoryPlan | None = None,
     index: list[int] | None = None,
-) -> dict:
-    """Merge one group of tensors into the staged output and mark it done with its result: the
-    ledger rows, the hash of the bytes written and the worker. A run resumed after a crash takes
-    the result from the mark (execute.group.finished_group) instead of running the group again.
+) -> GroupResult:
+    """Merge one group of tensors into the staged output and mark it done with its result
+    (execute.group.GroupResult). A run resumed after a crash takes the result from the mark
+    (execute.group.finished_group) instead of running the group again.
 
     `options_from`: the config whose storage_options this process needs (a Dask worker has
     not loaded it); its path travels, never the options. Read once per process, and only that key.
-    `memory`: the bytes this group's merge may hold (execute.memory.plan_memory).
+    `memory`: the merge's memory plan (execute.memory.plan_memory), made once by the flow.
     `index`: expert positions indexed from the bytes the merge reads (a first merge)."""
     if options_from is not None and not storage_options_set():
         set_storage_options(storage_options_of(options_from))
     plan, layout = saved.load(plan_dir)
-    result = {
-        **merge_group(plan, layout, group, Path(staging), memory, index),
-        "worker": f"{socket.gethostname()}:{os.getpid()}",
-    }
-    writer.mark_group_done(Path(staging), group, result)
+    freeze_long_lived()
+    result = merge_group(plan, layout, group, Path(staging), memory, index, f"{socket.gethostname()}:{os.getpid()}")
+    writer.mark_group_done(Path(staging), group, result.as_record())
     return result
 
 

@@ -1,5 +1,8 @@
-"""One large tensor's rows read from storage a window at a time, for operators that merge in
-passes over windows (operators.slabs.Windows): TIES and DARE under a memory budget."""
+"""Passes over windows (Form.WINDOWED): an operator that merges in passes over windows of rows
+(operators.slabs.Windows: TIES, DARE and the rest of the GTA family) merging a tensor too large
+for its group's share. It holds two windows' rows at a time (the one in use, the next being
+read) and the first windows kept between passes, within the share (execute.memory.window_plan);
+each window's merged rows are written at their place in the output."""
 
 from __future__ import annotations
 
@@ -7,10 +10,53 @@ import math
 from typing import Callable, Sequence
 
 from mergepipe import torch
+from mergepipe.execute.context import GroupContext, TensorReads
+from mergepipe.execute.memory import window_plan
+from mergepipe.execute.whole import merge_whole
 from mergepipe.index.blocks import byte_range
+from mergepipe.operators.slabs import SLAB_ELEMENTS
 from mergepipe.plan.record import Plan
+from mergepipe.ranges import slabs_of, windows_of
 from mergepipe.storage.reader import RangeReader, ReadRequest
-from mergepipe.storage.safetensors_format import DTYPES, decode
+from mergepipe.storage.safetensors_format import DTYPES, decode, encode
+
+
+def merge_windowed(g: GroupContext, reads: TensorReads) -> None:
+    """Merge a large tensor in passes over windows of rows, or whole where the operator needs
+    the whole tensor after all (what that reads again counts as `reread`)."""
+    name = reads.name
+    width = math.prod(g.base.tensors[name].shape[1:])
+    elements, keep = window_plan(g.need(name), g.per_group)
+    slabs = slabs_of(g.tensor_context(name).block_rows, width, SLAB_ELEMENTS)
+    windows = StoredWindows(
+        g.plan,
+        name,
+        g.reader,
+        (reads.base, reads.experts),
+        reads.runs,
+        windows_of(slabs, max(1, elements // max(1, width))),
+        keep,
+        g.to_compute,
+        g.plain(g.base.tensors[name].dtype),
+    )
+    if merge_windows(g, windows):
+        return
+    merge_whole(g, reads.again() if windows.read_any else reads)
+
+
+def merge_windows(g: GroupContext, windows: "StoredWindows") -> bool:
+    """A large tensor merged a window of rows at a time (Operator.merge_windows), each window's
+    result written at its place in the output. False, with nothing written, where the operator
+    needs the whole tensor."""
+    name = windows.name
+    out_dtype = DTYPES[g.layout.tensors[name].dtype].torch
+
+    def write(first_row: int, rows: torch.Tensor) -> None:
+        g.write(name, first_row * windows.width, encode(rows))
+
+    ctx = g.tensor_context(name, nonzero_at_most=tuple(g.plan.nonzero_bounds.get(name, ())))
+    return g.op.merge_windows(windows, g.params.for_tensor(name), ctx, out_dtype, write)
+
 
 # Key of the base's rows among a window's pieces (experts are 0..K-1).
 BASE = -1
@@ -48,7 +94,8 @@ class StoredWindows:
         self._to_compute = to_compute
         self.widens = widens
         self._keep_left = keep_bytes
-        self._kept: dict[tuple[int, int], object] = {}
+        self._kept: dict[tuple[int, int], object] = {}  # their buffers go back when the tensor is merged
+        self._transient: list = []  # the buffers of the last window's pieces not kept
         self._seen: set[tuple[int, int]] = set()
 
     @property
@@ -59,9 +106,15 @@ class StoredWindows:
         return self._to_compute(t)
 
     def load(self, w: int, experts: Sequence[int]) -> tuple[torch.Tensor, dict[int, list]]:
+        """Window w's rows of the base and of these experts. What the window loaded before
+        this one read and did not keep is no longer used (an operator walks one window at a
+        time): its buffers go back to the reader's pool first."""
+        self.reader.release(self._transient)
+        self._transient = []
         wanted = [BASE, *experts]
         missing = [key for key in wanted if (w, key) not in self._kept]
-        got = dict(zip(missing, self._read(w, missing)))
+        got, raws = self._read(w, missing)
+        got = dict(zip(missing, got))
         if w + 1 < len(self.rows):  # the kernel reads the next window while this one is used
             self.reader.prefetch([self._request(w + 1, key, True) for key in wanted if key == BASE or key in self.runs])
         for key, value in got.items():
@@ -69,6 +122,8 @@ class StoredWindows:
             if size <= self._keep_left:
                 self._kept[(w, key)] = value
                 self._keep_left -= size
+            else:
+                self._transient.extend(raws.get(key, ()))
         pieces = {key: self._kept[(w, key)] if (w, key) in self._kept else got[key] for key in wanted}
         return pieces[BASE], {k: pieces[k] for k in experts}
 
@@ -91,7 +146,8 @@ class StoredWindows:
         r0, r1 = self.rows[w]
         return [(max(a, r0), min(b, r1)) for a, b in self.runs.get(k, ()) if a < r1 and b > r0]
 
-    def _read(self, w: int, keys: list[int]) -> list[object]:
+    def _read(self, w: int, keys: list[int]) -> tuple[list[object], dict[int, list]]:
+        """The pieces of window w for these keys, and the buffers read for each."""
         keys_read = [key for key in keys if key == BASE or self._inside(key, w)]
         requests = []
         for key in keys_read:
@@ -109,7 +165,7 @@ class StoredWindows:
             out.append(
                 [((a, b), decode(raw, dtype, (b - a, self.width))) for (a, b), raw in zip(runs, raws.get(key, ()))]
             )
-        return out
+        return out, raws
 
 
 def _nbytes(value) -> int:
