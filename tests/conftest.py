@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -21,6 +23,27 @@ os.environ["MERGEPIPE_ORCHESTRATION"] = "local"
 import pytest  # noqa: E402
 
 from mergepipe.devtools.synthetic import FamilyPaths, make_family  # noqa: E402
+
+_terminated: list[int] = []
+
+
+def _on_sigterm(signum, frame) -> None:
+    """A run told to stop (CI's timeout, a Ctrl-C'd wrapper) ends now: the test in progress
+    is interrupted, the session's fixtures stop their servers, and nothing waits for a stray
+    thread on the way out (pytest_unconfigure)."""
+    _terminated.append(signum)
+    pytest.exit(f"terminated by signal {signum}", returncode=128 + signum)
+
+
+def pytest_sessionstart(session) -> None:
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def pytest_unconfigure(config) -> None:
+    if _terminated:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + _terminated[0])
 
 
 @pytest.fixture(scope="session")

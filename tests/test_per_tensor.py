@@ -15,6 +15,8 @@ import pyarrow as pa
 import pytest
 import torch
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mergepipe.catalog import db
 from mergepipe.config.spec import load_spec
@@ -29,7 +31,7 @@ from mergepipe.plan import saved
 from mergepipe.plan.params import resolve_params, resolve_tensor_params
 from mergepipe.plan.record import ACCESS_SCHEMA, Plan, access_set_sha256
 from mergepipe.storage import model_files
-from mergepipe.storage.canonical import plain_json, sha256_hex
+from mergepipe.storage.canonical import json_bytes, sha256_hex
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES, build_header
 
@@ -194,8 +196,16 @@ def test_built_header_text_is_what_json_writes_for_its_dict():
         build_header([("a", "F32", (1,)), ("a", "F32", (2,))])
 
 
-def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path):
+def _plain(value) -> bytes:
+    """The definition's text, written by the standard library alone."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize("ascii_names", [False, True])
+def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path, ascii_names):
     names = ["a.weight", "é.weight", 'q"uote', "z\u4e2d", "\U0001f600", "scalar", "B"]
+    if ascii_names:  # orjson's text, not json's fallback
+        names = ["a.weight", "e.weight", 'q"uote', "back\\slash", "ctl\x01", "scalar", "B"]
     tensors = {n: torch.ones(i % 3 + 1, 2).to(torch.bfloat16) for i, n in enumerate(names)}
     tensors["scalar"] = torch.tensor(1.5)
     folder = write_model(tmp_path / "m", tensors, 1, sidecars=False)
@@ -203,7 +213,7 @@ def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path):
         model = load_family(str(folder), [], reader).base
     hashes = {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
     entries = {n: [loc.info.dtype, list(loc.info.shape), hashes[n]] for n, loc in model.tensors.items()}
-    expected = sha256_hex(plain_json(entries))
+    expected = sha256_hex(_plain(entries))
     assert content_digest(hashes, model) == expected
     # Entry texts are kept for the next model of the same layout; another layout, and other
     # hashes, give their own digest.
@@ -211,8 +221,30 @@ def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path):
     with RangeReader() as reader:
         model_b = load_family(str(other), [], reader).base
         empty = load_family(str(write_model(tmp_path / "e", {}, 1, sidecars=False)), [], reader).base
-    assert content_digest(hashes, model_b) == sha256_hex(plain_json({**entries, "B": ["BF16", [3, 3], hashes["B"]]}))
+    assert content_digest(hashes, model_b) == sha256_hex(_plain({**entries, "B": ["BF16", [3, 3], hashes["B"]]}))
     hashes["a.weight"] = "0" * 64
     entries["a.weight"][2] = hashes["a.weight"]
-    assert content_digest(hashes, model) == sha256_hex(plain_json(entries))
-    assert content_digest({}, empty) == sha256_hex(plain_json({}))
+    assert content_digest(hashes, model) == sha256_hex(_plain(entries))
+    assert content_digest({}, empty) == sha256_hex(_plain({}))
+
+
+_scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.text(max_size=8)
+_values = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.lists(inner, max_size=4).map(tuple)
+        | st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=20,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(value=_values, sort_keys=st.booleans())
+def test_json_bytes_of_float_free_values_is_what_json_writes(value, sort_keys):
+    """orjson's text where it applies (ASCII, ints in 64 bits), json's otherwise: the bytes of
+    Python's json either way."""
+    want = json.dumps(value, sort_keys=sort_keys, separators=(",", ":")).encode()
+    assert json_bytes(value, sort_keys=sort_keys, floats=False) == want
+    assert json_bytes(value, sort_keys=sort_keys) == want

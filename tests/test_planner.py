@@ -146,22 +146,37 @@ def test_ranking_on_base_energies_refuses_a_layout_without_them(tmp_path):
 
 
 def test_catalog_writers_wait_for_the_lock_then_time_out_clearly(tmp_path):
+    """A writer waits while another process holds the catalog, and goes on once it lets go; one
+    that waits past its timeout fails naming the lock. Released by the test, not by a clock, so
+    a loaded machine cannot make the wait look short."""
     import subprocess
     import sys
-    import time
+    import threading
 
     from mergepipe.errors import MergepipeError
 
     path = tmp_path / "cat.duckdb"
-    hold = "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(float(sys.argv[2]))"
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(path), "3"], stdout=subprocess.PIPE, text=True)
+    hold = "import duckdb, sys; c = duckdb.connect(sys.argv[1]); print('held', flush=True); sys.stdin.read()"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert holder.stdout.readline().strip() == "held"
-    t0 = time.monotonic()
-    with db.connect(path, timeout=60) as con:
-        assert con.execute("SELECT count(*) FROM block_stats").fetchall() == [(0,)]
-    assert time.monotonic() - t0 > 0.5  # it waited for the other process instead of failing
-    holder.wait()
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(path), "20"], stdout=subprocess.PIPE, text=True)
+    counted: list = []
+
+    def writer() -> None:
+        with db.connect(path, timeout=120) as con:
+            counted.extend(con.execute("SELECT count(*) FROM block_stats").fetchall())
+
+    waiting = threading.Thread(target=writer)
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive() and not counted  # it waits for the other process instead of failing
+    holder.stdin.close()  # let go
+    holder.wait(60)
+    waiting.join(120)
+    assert not waiting.is_alive() and counted == [(0,)]
+    hold = "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(60)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(MergepipeError, match="locked by another process"):

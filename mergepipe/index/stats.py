@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-import operator
 import os
 import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii as _quoted
 from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -32,7 +30,7 @@ from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, layer_group, row_elems
 from mergepipe.index.family import Family
 from mergepipe.ranges import chunk_blocks, strips
-from mergepipe.storage.canonical import sha256_hex
+from mergepipe.storage.canonical import json_bytes, sha256_hex
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
@@ -140,30 +138,9 @@ def block_hash(raw) -> str:
 
 
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
-    """SHA-256 of plain_json({name: [dtype, shape, tensor hash]}) over the model's tensors: the
-    same text, written entry by entry (a list per tensor and the encoder's key sort cost more
-    than the text, for 100k tensors). Each entry's text before its hash is shared by the models
-    of one layout (a family saved alike)."""
-    names, heads = _entry_heads(model.tensors)
-    body = '"],'.join(map(operator.add, heads, map(tensor_hashes.__getitem__, names)))
-    return sha256_hex(("{" + body + ('"]}' if names else "}")).encode("ascii"))
-
-
-_HEADS: list[tuple[dict, list[str], list[str]]] = []  # the last few tables' names and entry heads
-
-
-def _entry_heads(tensors: dict) -> tuple[list[str], list[str]]:
-    """The names in order and each entry's text up to its hash: `"name":["dtype",[dims],"`."""
-    for table, names, heads in _HEADS:
-        if table is tensors or table == tensors:  # models of one layout hold equal tables
-            return names, heads
-    names = sorted(tensors)
-    heads = []
-    for name in names:
-        info = tensors[name].info
-        heads.append(f'{_quoted(name)}:[{_quoted(info.dtype)},[{",".join(map(str, info.shape))}],"')
-    _HEADS[:] = [(tensors, names, heads), *_HEADS[:3]]
-    return names, heads
+    """SHA-256 of json_bytes({name: [dtype, shape, tensor hash]}) over the model's tensors."""
+    entries = {name: (loc.info.dtype, loc.info.shape, tensor_hashes[name]) for name, loc in model.tensors.items()}
+    return sha256_hex(json_bytes(entries, floats=False))
 
 
 @dataclass

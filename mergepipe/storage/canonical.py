@@ -7,6 +7,8 @@ import json
 import math
 from typing import Any
 
+import orjson
+
 
 def canonical_json(value: Any) -> bytes:
     """Sorted keys, fixed separators, shortest round-trip floats (Python's repr).
@@ -19,13 +21,29 @@ def canonical_json(value: Any) -> bytes:
         plain = json.loads(json.dumps(value, ensure_ascii=True, allow_nan=False))
     except ValueError as err:
         raise ValueError(f"a digest needs finite floats ({err})") from None
-    return plain_json(plain)
+    return json_bytes(plain)
 
 
-def plain_json(value: Any) -> bytes:
-    """canonical_json of a value whose every dict key is already a str (as JSON would write
-    it): the same bytes without the normalising round trip, for values of 100k entries."""
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode("ascii")
+def json_bytes(value: Any, *, sort_keys: bool = True, floats: bool = True) -> bytes:
+    """The JSON text Python's json writes for a value whose dict keys are all str: compact
+    (separators "," and ":"), ASCII (\\u escapes), no NaN, keys sorted unless told not to.
+
+    floats=False: the caller vouches that the value holds no float (only dicts, lists, tuples,
+    str, int, bool and None, as a content digest's entries or a safetensors header do). orjson
+    writes the same text for such a value whenever that text is printable ASCII, far faster on
+    100k entries; a value it cannot write (an int past 64 bits, another type) or whose text
+    holds other characters goes through json. Floats it writes in another shortest form than Python's repr
+    ("1e-7" for "1e-07"), so a value with floats always goes through json."""
+    if not floats:
+        try:
+            out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else 0)
+            if out.isascii() and b"\x7f" not in out:  # json escapes DEL too
+                return out
+        except TypeError:
+            pass
+    return json.dumps(value, sort_keys=sort_keys, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode(
+        "ascii"
+    )
 
 
 def sha256_hex(data: bytes) -> str:

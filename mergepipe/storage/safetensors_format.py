@@ -9,7 +9,6 @@ import struct
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
-from json.encoder import encode_basestring_ascii as _quoted
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -17,6 +16,7 @@ import numpy as np
 
 from mergepipe import torch
 from mergepipe.errors import BadInput
+from mergepipe.storage.canonical import json_bytes
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit; larger is rejected unread
 
@@ -232,22 +232,17 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:
     """Header bytes (length prefix included) for tensors laid out in the given order, and each
     tensor's absolute (start, end) in the file."""
-    # The text json.dumps(..., separators=(",", ":")) gives for the header's dict, written
-    # entry by entry (a dict per tensor cost more than the text).
-    parts = ['{"__metadata__":{"format":"pt"}']
+    header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     relative = []
     for name, dtype, shape in entries:
         n = math.prod(shape) * DTYPES[dtype].itemsize
-        dims = ",".join(map(str, shape))
-        parts.append(
-            f',{_quoted(name)}:{{"dtype":{_quoted(dtype)},"shape":[{dims}],"data_offsets":[{offset},{offset + n}]}}'
-        )
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": (offset, offset + n)}
         relative.append((offset, offset + n))
         offset += n
-    if len(relative) != len({name for name, _, _ in entries}):
+    if len(header) != len(relative) + 1:
         raise ValueError("a tensor name given twice")
-    raw = ("".join(parts) + "}").encode()
+    raw = json_bytes(header, sort_keys=False, floats=False)
     raw += b" " * (-len(raw) % 8)  # the format pads the header to 8-byte alignment
     prefix = struct.pack("<Q", len(raw)) + raw
     return prefix, [(len(prefix) + s, len(prefix) + e) for s, e in relative]
