@@ -274,8 +274,10 @@ def compute_stats(
     reader: RangeReader,
     *,
     progress: Callable[[int], None] | None = None,
+    planned: Callable[[], None] | None = None,
 ) -> StatsResult:
     """Stream the base once and each listed expert once; return their block statistics.
+    `planned` is called once the reads are planned, before any is made.
 
     Each run of blocks is read for all models at once, consecutive runs of small tensors
     together (one read per model per batch). The base's blocks are converted once per batch,
@@ -290,6 +292,8 @@ def compute_stats(
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
     hashers = [{n: hashlib.sha256() for n in family.base.tensors} for _ in models]
     batches = list(_batches(list(_block_runs(family, models, block_size)), models))
+    if planned:
+        planned()
     # The next batches are read while this one is measured: a cold disk needs several requests in
     # flight to approach its sequential rate.
     with (
@@ -336,10 +340,10 @@ class BlockRun(NamedTuple):
     name: str
     info: object  # the base's TensorInfo
     dt: object  # its DTYPES entry
-    run: list[int]  # block numbers
-    spans: list[tuple[str, int, int]]  # per model (base first, then the experts): file, start, end
-    rows: list[tuple[int, int]]  # each block's rows
-    per_model: list[list[tuple[int, int]]]  # each model's byte range per block
+    run: tuple[int, ...]  # block numbers
+    spans: tuple[tuple[str, int, int], ...]  # per model (base first, then the experts): file, start, end
+    rows: tuple[tuple[int, int], ...]  # each block's rows
+    per_model: tuple[tuple[tuple[int, int], ...], ...]  # each model's byte range per block
 
 
 class Batch(NamedTuple):
@@ -388,13 +392,17 @@ def _block_runs(family: Family, models: list, block_size: int) -> Iterator[Block
         locations = [m.tensors[name] for _, _, m in models]
         per_row = [row_elems(info.shape) * DTYPES[loc.info.dtype].itemsize for loc in locations]
         for run in chunk_blocks(blocks, per_row[0], READ_CHUNK):
-            rows = [blocks[b] for b in run]
-            per_model = [
-                [(loc.info.start + r0 * n, loc.info.start + r1 * n) for r0, r1 in rows]
-                for loc, n in zip(locations, per_row)
-            ]
-            spans = [(loc.file, r[0][0], r[-1][1]) for loc, r in zip(locations, per_model)]
-            yield BlockRun(name, info, dt, run, spans, rows, per_model)
+            # Tuples of ints and strings throughout: the cycle collector stops tracking them at
+            # its first look, so a plan of 100k tensors does not keep it rescanning them.
+            rows = tuple([blocks[b] for b in run])
+            per_model = tuple(
+                [
+                    tuple([(loc.info.start + r0 * n, loc.info.start + r1 * n) for r0, r1 in rows])
+                    for loc, n in zip(locations, per_row)
+                ]
+            )
+            spans = tuple([(loc.file, r[0][0], r[-1][1]) for loc, r in zip(locations, per_model)])
+            yield BlockRun(name, info, dt, tuple(run), spans, rows, per_model)
 
 
 def _check_buffers(experts, name: str, dtype: str, base_chunk: bytearray, chunks: list[bytearray], hashers) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from operator import itemgetter
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -85,108 +85,123 @@ def header_length(prefix: bytes, file_size: int, source: str) -> int:
     return n
 
 
-class _DuplicateKey(Exception):
-    pass
+def _twice(pairs: tuple) -> str | None:
+    """The first key given twice in one JSON object (parsed as its pairs), if any."""
+    if len(dict(pairs)) == len(pairs):
+        return None
+    seen: set[str] = set()
+    for k, _ in pairs:
+        if k in seen:
+            return k
+        seen.add(k)
+    return None
 
 
-def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
-    """json.loads keeps the last of two equal keys; a header naming a tensor twice is corrupt.
-    (dict() builds the object in C; the keys are walked in Python only to name a duplicate.)"""
-    out = dict(pairs)
-    if len(out) != len(pairs):
-        seen: set[str] = set()
-        for k, _ in pairs:
-            if k in seen:
-                raise _DuplicateKey(k)
-            seen.add(k)
-    return out
+def _as_dict(value: object, source: str) -> object:
+    """A parsed JSON value with its objects (pairs) as dicts, refusing a key given twice."""
+    if type(value) is tuple:
+        dup = _twice(value)
+        if dup is not None:
+            raise BadInput(f"{source}: {dup!r} appears twice in the header (a key given twice)")
+        return {k: _as_dict(v, source) for k, v in value}
+    if type(value) is list:
+        return [_as_dict(v, source) for v in value]
+    return value
 
 
-def _load_header(raw: bytes) -> object:
-    """The header's JSON, refusing a key given twice in any object. The check by hook costs a
-    Python call per object (a second per 100k tensors), so it runs only where the plain parse's
-    result does not account for every object and entry key the text holds (a brace or key name
-    inside a string also sends a header there)."""
-    header = json.loads(raw)
-    if isinstance(header, dict):
-        n = len(header) - ("__metadata__" in header)
-        objects = 1 + n + isinstance(header.get("__metadata__"), dict)
-        if raw.count(b"{") == objects and all(raw.count(k) == n for k in (b'"dtype"', b'"shape"', b'"data_offsets"')):
-            return header
-    return json.loads(raw, object_pairs_hook=_no_duplicate_keys)
-
-
-def _entries_one_by_one(header: dict, data_start: int, file_size: int, source: str) -> list[TensorInfo]:
-    """Every entry checked in turn: the first one that is wrong is named in a BadInput."""
-    tensors = []
-    for name, entry in header.items():
-        where = f"{source}: tensor {name!r}"
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-            raise BadInput(f"{where}: entry must have exactly dtype, shape and data_offsets")
-        dtype = entry["dtype"]
-        if not isinstance(dtype, str) or dtype not in DTYPES:
-            raise BadInput(f"{where}: unsupported dtype {dtype!r}")
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(
-            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
-        ):
-            raise BadInput(f"{where}: shape must be a list of non-negative integers")
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-            or not 0 <= offsets[0] <= offsets[1]
-        ):
-            raise BadInput(f"{where}: data_offsets must be two ordered non-negative integers")
-        start, end = data_start + offsets[0], data_start + offsets[1]
-        if end > file_size:
-            raise BadInput(f"{where}: data_offsets {offsets} run past the end of the file ({file_size} bytes)")
-        expected = tensor_nbytes(dtype, tuple(shape))
-        if end - start != expected:
-            raise BadInput(f"{where}: data_offsets cover {end - start} bytes but {dtype} {shape} needs {expected}")
-        tensors.append(TensorInfo(name, dtype, tuple(shape), start, end))
-    return tensors
-
-
-_ENTRY = itemgetter("dtype", "shape", "data_offsets")
+_KEYS = ("dtype", "shape", "data_offsets")  # as safetensors writes them
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 
+# An entry's three values, as columns over the entries: dtypes, shapes, data_offsets.
+Columns = tuple[list, list, list]
 
-def _entries_at_once(header: dict, data_start: int, file_size: int) -> list[TensorInfo] | None:
-    """Every entry checked as _entries_one_by_one checks it, in passes over all entries at once
-    (C loops over the header's values instead of Python statements per tensor); None where
-    any check fails."""
-    names, entries = list(header), list(header.values())
-    if not entries:
-        return []
-    try:
-        if set(map(type, entries)) != {dict} or set(map(len, entries)) != {3}:
-            return None
-        dtypes, shapes, offsets = zip(*map(_ENTRY, entries))
-        sizes = list(map(_ITEMSIZE.__getitem__, dtypes))
-        if set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list}:  # a dtype is a key of _ITEMSIZE
-            return None
-        if set(map(len, offsets)) != {2}:
-            return None
-        dims = list(chain.from_iterable(shapes))
-        bounds = list(chain.from_iterable(offsets))
-        if (dims and (set(map(type, dims)) != {int} or min(dims) < 0)) or set(map(type, bounds)) != {int}:
-            return None
-        starts, ends = bounds[0::2], bounds[1::2]
-        if min(starts) < 0 or any(map(int.__gt__, starts, ends)) or data_start + max(ends) > file_size:
-            return None
-        if list(map(int.__sub__, ends, starts)) != list(map(int.__mul__, sizes, map(math.prod, shapes))):
-            return None
-    except (KeyError, TypeError, ValueError):
-        return None
-    # tuple.__new__ through partial: the tuples are built in C (TensorInfo's own __new__ is a
-    # Python function, a call per tensor).
-    return list(
-        map(
-            partial(tuple.__new__, TensorInfo),
-            zip(names, dtypes, map(tuple, shapes), map(data_start.__add__, starts), map(data_start.__add__, ends)),
-        )
-    )
+
+def _columns(values: list, names: list[str], source: str) -> Columns:
+    """The entries' values as columns. Each entry must be an object with exactly the three
+    keys, each given once; in the order safetensors writes them the columns are cut from the
+    pairs in C, in any other order each entry is read as a dict."""
+    n = len(values)
+    if set(map(type, values)) <= {tuple} and set(map(len, values)) <= {3}:
+        pairs = list(chain.from_iterable(values))
+        if list(map(itemgetter(0), pairs)) == list(_KEYS) * n:
+            flat = list(map(itemgetter(1), pairs))
+            return flat[0::3], flat[1::3], flat[2::3]
+    columns: Columns = ([], [], [])
+    for name, value in zip(names, values):
+        if type(value) is tuple and (dup := _twice(value)) is not None:
+            raise BadInput(f"{source}: {dup!r} appears twice in the header (a key given twice)")
+        if type(value) is not tuple or set(dict(value)) != set(_KEYS):
+            raise BadInput(f"{source}: tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
+        entry = dict(value)
+        for column, key in zip(columns, _KEYS):
+            column.append(entry[key])
+    return columns
+
+
+def _ints(values) -> bool:
+    """Only ints (a bool is not one), none negative."""
+    values = list(values)
+    return set(map(type, values)) <= {int} and min(values, default=0) >= 0
+
+
+class _Rule(NamedTuple):
+    """What every header entry must meet: `holds` checks columns of entries at once (each rule
+    assuming those before it hold, and holding for no entries); `problem` says what is wrong
+    with one entry (dtype, shape, data_offsets) that breaks it."""
+
+    holds: Callable[[list, list, list], bool]
+    problem: Callable[[object, object, object], str]
+
+
+def _rules(data_start: int, file_size: int) -> list[_Rule]:
+    def dtypes(ds, ss, os_):
+        return set(map(type, ds)) <= {str} and all(map(_ITEMSIZE.__contains__, ds))
+
+    def shapes(ds, ss, os_):
+        return set(map(type, ss)) <= {list} and _ints(chain.from_iterable(ss))
+
+    def offsets(ds, ss, os_):
+        if not (set(map(type, os_)) <= {list} and set(map(len, os_)) <= {2}):
+            return False
+        bounds = list(chain.from_iterable(os_))
+        return _ints(bounds) and not any(map(int.__gt__, bounds[0::2], bounds[1::2]))
+
+    def inside(ds, ss, os_):
+        return not os_ or data_start + max(map(itemgetter(1), os_)) <= file_size
+
+    def sizes(ds, ss, os_):
+        bounds = list(chain.from_iterable(os_))
+        return list(map(int.__sub__, bounds[1::2], bounds[0::2])) == list(_needs(ds, ss))
+
+    return [
+        _Rule(dtypes, lambda d, s, o: f"unsupported dtype {d!r}"),
+        _Rule(shapes, lambda d, s, o: "shape must be a list of non-negative integers"),
+        _Rule(offsets, lambda d, s, o: "data_offsets must be two ordered non-negative integers"),
+        _Rule(inside, lambda d, s, o: f"data_offsets {o} run past the end of the file ({file_size} bytes)"),
+        _Rule(
+            sizes, lambda d, s, o: f"data_offsets cover {o[1] - o[0]} bytes but {d} {s} needs {next(_needs([d], [s]))}"
+        ),
+    ]
+
+
+def _needs(dtypes: list, shapes: list):
+    """The bytes each tensor's dtype and shape need."""
+    return map(int.__mul__, map(_ITEMSIZE.__getitem__, dtypes), map(math.prod, shapes))
+
+
+def _first_problem(names: list[str], columns: Columns, rules: list[_Rule]) -> str:
+    """The first entry that breaks a rule (found by halving: the rules hold for every prefix
+    before it), and the first rule it breaks."""
+    lo, hi = 0, len(names)  # the rules hold for the first lo entries and not for the first hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if all(r.holds(*(c[:mid] for c in columns)) for r in rules):
+            lo = mid
+        else:
+            hi = mid
+    one = [c[lo : lo + 1] for c in columns]
+    rule = next(r for r in rules if not r.holds(*one))
+    return f"tensor {names[lo]!r}: {rule.problem(*(c[0] for c in one))}"
 
 
 def _first_overlap(tensors: list[TensorInfo]) -> tuple[TensorInfo, TensorInfo] | None:
@@ -204,24 +219,37 @@ def _first_overlap(tensors: list[TensorInfo]) -> tuple[TensorInfo, TensorInfo] |
 
 
 def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorInfo], dict]:
-    """Tensors of one file, with absolute byte ranges, validated against the file size."""
+    """Tensors of one file, with absolute byte ranges, validated against the file size.
+
+    One parse keeps every object as its pairs (object_pairs_hook=tuple, in C), so a key given
+    twice is found wherever it is; each rule (_rules) is then checked on all entries at once,
+    and only where one fails is the first culprit looked for, to be named."""
     try:
-        header = _load_header(raw)
-    except _DuplicateKey as dup:
-        raise BadInput(f"{source}: {dup.args[0]!r} appears twice in the header (a key given twice)") from None
+        top = json.loads(raw, object_pairs_hook=tuple)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadInput(f"{source}: header is not valid JSON ({err})") from None
     except RecursionError:
         raise BadInput(f"{source}: header is not valid JSON (nested too deeply)") from None
-    if not isinstance(header, dict):
+    if type(top) is not tuple:
         raise BadInput(f"{source}: header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    header = dict(top)
+    if len(header) != len(top):
+        raise BadInput(f"{source}: {_twice(top)!r} appears twice in the header (a key given twice)")
+    metadata = _as_dict(header.pop("__metadata__", None) or {}, source)
     if not isinstance(metadata, dict):
         raise BadInput(f"{source}: __metadata__ must be a JSON object")
+    names = list(header)
+    columns = _columns(list(header.values()), names, source)
     data_start = 8 + len(raw)
-    tensors = _entries_at_once(header, data_start, file_size)
-    if tensors is None:  # something is wrong: find it, entry by entry, and name it
-        tensors = _entries_one_by_one(header, data_start, file_size, source)
+    rules = _rules(data_start, file_size)
+    if not all(r.holds(*columns) for r in rules):
+        raise BadInput(f"{source}: {_first_problem(names, columns, rules)}")
+    dtypes, shapes, offsets = columns
+    bounds = list(chain.from_iterable(offsets))
+    starts, ends = map(data_start.__add__, bounds[0::2]), map(data_start.__add__, bounds[1::2])
+    # tuple.__new__ through partial: the tuples are built in C (TensorInfo's own __new__ is a
+    # Python function, a call per tensor).
+    tensors = list(map(partial(tuple.__new__, TensorInfo), zip(names, dtypes, map(tuple, shapes), starts, ends)))
     overlap = _first_overlap(tensors)
     if overlap is not None:
         a, b = overlap

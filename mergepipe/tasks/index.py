@@ -12,7 +12,7 @@ from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
 from mergepipe.tasks import progress
-from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task
+from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
 
 
 @declare_task("read-family-headers", **STORAGE_RETRIES)
@@ -56,7 +56,14 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
     rep.start("index", total, "B")
     try:
         with RangeReader(ledger) as reader:
-            result = compute_stats(family, positions, block_size, reader, progress=lambda n: rep.advance("index", n))
+            result = compute_stats(
+                family,
+                positions,
+                block_size,
+                reader,
+                progress=lambda n: rep.advance("index", n),
+                planned=freeze_long_lived,  # the read plan lives through the pass
+            )
     finally:
         rep.finish("index")
     return result, ledger.rows()
