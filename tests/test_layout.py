@@ -19,9 +19,7 @@ for i, stage in enumerate(STAGES):
     BENEATH[stage] = set(STAGES[:i]) | {"operators", "storage", "catalog"}
 BENEATH["config"] = {"operators", "storage"}
 BENEATH["cli"] = set(STAGES) | {"operators", "storage", "catalog", "devtools"}
-# Leaf modules beside the stages that any of them may use: errors, and ranges (pure arithmetic on
-# half-open ranges, which the operators' slabs, the index and the executor share).
-ALWAYS = {"errors", "ranges", "__init__"}
+ALWAYS = {"errors", "__init__"}
 
 
 def _modules() -> dict[str, Path]:
@@ -69,10 +67,7 @@ def test_every_stage_is_a_package_with_a_docstring():
         doc = ast.get_docstring(ast.parse(init.read_text()))
         assert doc and doc.strip(), f"{name}/__init__.py has no docstring"
     loose = sorted(p.name for p in ROOT.glob("*.py"))
-    assert loose == ["__init__.py", "cli.py", "errors.py", "ranges.py"], loose
-    graph = _graph()
-    for leaf in ("mergepipe.errors", "mergepipe.ranges"):
-        assert not graph[leaf], f"{leaf} imports {sorted(graph[leaf])}"
+    assert loose == ["__init__.py", "cli.py", "errors.py"], loose
 
 
 def test_no_stage_imports_one_above_it():

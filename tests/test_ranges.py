@@ -1,11 +1,11 @@
-"""The range helpers (mergepipe.ranges) on their own: every element covered once, in order."""
+"""The range helpers (mergepipe.operators.ranges) on their own: every element covered once, in order."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mergepipe import ranges
+from mergepipe.operators import ranges
 
 
 def _cut(points: list[int]) -> list[tuple[int, int]]:
@@ -117,7 +117,7 @@ def test_chunk_blocks_groups_consecutive_blocks_up_to_a_size():
 def test_strips_take_consecutive_equal_ranges_of_one_kind_up_to_a_size():
     rs = [(0, 2), (2, 4), (4, 6), (6, 9), (9, 12), (20, 23), (23, 26)]
     kinds = ["a", "a", "b", "b", "b", "b", "b"]
-    assert ranges.strips(rs, kinds, lambda i: 100) == [(0, 2), (2, 3), (3, 5), (5, 7)]
-    assert ranges.strips(rs, kinds, lambda i: 4) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
-    assert ranges.strips(rs, kinds, lambda i: 0) == [(i, i + 1) for i in range(len(rs))]
-    assert ranges.strips([], [], lambda i: 0) == []
+    assert ranges.strips(rs, kinds, lambda kind: 100) == [(0, 2), (2, 3), (3, 5), (5, 7)]
+    assert ranges.strips(rs, kinds, lambda kind: 4) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert ranges.strips(rs, kinds, lambda kind: 0) == [(i, i + 1) for i in range(len(rs))]
+    assert ranges.strips([], [], lambda kind: 0) == []

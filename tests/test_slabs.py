@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from mergepipe import ranges
 from mergepipe.execute.experts import LazyExperts
-from mergepipe.operators import OPERATORS, TensorContext, gta, slabs
+from mergepipe.operators import OPERATORS, TensorContext, gta, ranges, slabs
 from mergepipe.operators.rows import as_rows
 
 

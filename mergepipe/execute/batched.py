@@ -13,7 +13,7 @@ from typing import Iterator, NamedTuple
 from mergepipe.execute.context import GroupContext, TensorReads
 from mergepipe.execute.memory import Form
 from mergepipe.execute.streamed import merge_run
-from mergepipe.ranges import Gather, adjacent, gather
+from mergepipe.operators.ranges import Gather, adjacent, gather
 from mergepipe.storage.reader import ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
 

@@ -111,11 +111,11 @@ class GroupContext:
     def expert_tensor(self, k: int, name: str) -> TensorEntry:
         return self.experts[k].tensors[name]
 
-    def expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]], role: str = "expert") -> ReadRequest:
+    def expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
         """Expert k's planned runs of rows of a tensor: one range per run."""
         t = self.expert_tensor(k, name)
         ranges = [byte_range(t.start, t.shape, DTYPES[t.dtype].itemsize, r0, r1) for r0, r1 in row_runs]
-        return ReadRequest(self.path(k + 1, t.file), ranges, role, self.experts[k].role, t.file)
+        return ReadRequest(self.path(k + 1, t.file), ranges, "expert", self.experts[k].role, t.file)
 
     def base_request(self, name: str, ranges: list[tuple[int, int]] | None = None) -> ReadRequest:
         """The base's bytes of a tensor: all of them, or these absolute ranges of its shard."""

@@ -15,9 +15,9 @@ from mergepipe.execute import batched, streamed, whole, windowed
 from mergepipe.execute.context import GroupContext, TensorReads
 from mergepipe.execute.memory import Form, MemoryPlan
 from mergepipe.index.tap import StatsTap, TappedReader
+from mergepipe.operators.ranges import coalesce
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
-from mergepipe.ranges import coalesce
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.safetensors_format import DTYPES
 from mergepipe.storage.writer import group_record

@@ -16,8 +16,8 @@ from mergepipe.execute.context import GroupContext, TensorReads
 from mergepipe.execute.experts import LazyExperts
 from mergepipe.execute.memory import slab_elements
 from mergepipe.operators import TensorContext
+from mergepipe.operators.ranges import covering, element_runs
 from mergepipe.operators.rows import ExpertRows, as_rows
-from mergepipe.ranges import covering, element_runs
 from mergepipe.storage.reader import ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode, encode
 

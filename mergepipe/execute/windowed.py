@@ -7,17 +7,16 @@ each window's merged rows are written at their place in the output."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 from mergepipe import torch
 from mergepipe.execute.context import GroupContext, TensorReads
 from mergepipe.execute.memory import window_plan
 from mergepipe.execute.whole import merge_whole
 from mergepipe.index.blocks import byte_range
+from mergepipe.operators.ranges import slabs_of, windows_of
 from mergepipe.operators.slabs import SLAB_ELEMENTS
-from mergepipe.plan.record import Plan
-from mergepipe.ranges import slabs_of, windows_of
-from mergepipe.storage.reader import RangeReader, ReadRequest
+from mergepipe.storage.reader import ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode, encode
 
 
@@ -28,17 +27,7 @@ def merge_windowed(g: GroupContext, reads: TensorReads) -> None:
     width = math.prod(g.base.tensors[name].shape[1:])
     elements, keep = window_plan(g.need(name), g.per_group)
     slabs = slabs_of(g.tensor_context(name).block_rows, width, SLAB_ELEMENTS)
-    windows = StoredWindows(
-        g.plan,
-        name,
-        g.reader,
-        (reads.base, reads.experts),
-        reads.runs,
-        windows_of(slabs, max(1, elements // max(1, width))),
-        keep,
-        g.to_compute,
-        g.plain(g.base.tensors[name].dtype),
-    )
+    windows = StoredWindows(g, reads, windows_of(slabs, max(1, elements // max(1, width))), keep)
     if merge_windows(g, windows):
         return
     merge_whole(g, reads.again() if windows.read_any else reads)
@@ -71,28 +60,17 @@ class StoredWindows:
     ledger under its role (base, expert), as the plan counted it; any later read of it counts
     as `reread`."""
 
-    def __init__(
-        self,
-        plan: Plan,
-        name: str,
-        reader: RangeReader,
-        requests: tuple[ReadRequest, dict[int, ReadRequest]],
-        runs: dict[int, list[tuple[int, int]]],
-        rows: list[tuple[int, int]],
-        keep_bytes: int,
-        to_compute: Callable[[torch.Tensor], torch.Tensor],
-        widens: bool,
-    ) -> None:
-        self.plan, self.name, self.reader = plan, name, reader
-        self.base_request, self.expert_requests = requests
-        self.runs = runs
+    def __init__(self, g: GroupContext, reads: TensorReads, rows: list[tuple[int, int]], keep_bytes: int) -> None:
+        self.plan, self.name, self.reader = g.plan, reads.name, g.reader
+        self.base_request, self.expert_requests = reads.base, reads.experts
+        self.runs = reads.runs
         self.rows = rows
-        t = plan.inputs[0].tensors[name]
+        t = g.base.tensors[reads.name]
         self.shape = tuple(t.shape)
-        self.k = len(plan.inputs) - 1
+        self.k = len(g.experts)
         self.width = math.prod(self.shape[1:])
-        self._to_compute = to_compute
-        self.widens = widens
+        self.to_compute = g.to_compute
+        self.widens = g.plain(t.dtype)
         self._keep_left = keep_bytes
         self._kept: dict[tuple[int, int], object] = {}  # their buffers go back when the tensor is merged
         self._transient: list = []  # the buffers of the last window's pieces not kept
@@ -101,9 +79,6 @@ class StoredWindows:
     @property
     def read_any(self) -> bool:
         return bool(self._seen)
-
-    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
-        return self._to_compute(t)
 
     def load(self, w: int, experts: Sequence[int]) -> tuple[torch.Tensor, dict[int, list]]:
         """Window w's rows of the base and of these experts. What the window loaded before

@@ -130,6 +130,7 @@ def merge(
         p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
         plan_artifact(plan_result(p, request.spec, explain, plan_dir))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
-    ex = Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first)
-    ex.memory = mem if first is not None else None
-    return execute_plan(ex)
+    memory = mem if first is not None else None  # the plan the decision was made on
+    return execute_plan(
+        Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first, memory=memory)
+    )

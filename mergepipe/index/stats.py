@@ -29,7 +29,7 @@ from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, layer_group, row_elems
 from mergepipe.index.family import Family
-from mergepipe.ranges import chunk_blocks, strips
+from mergepipe.operators.ranges import chunk_blocks, strips
 from mergepipe.storage.canonical import json_bytes, sha256_hex
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
@@ -203,8 +203,7 @@ def _expert_stats(
     sq, mx, nnz = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for first, end, base_dtype, base_raw, base64 in base_strips:
         size = len(base_raw) // (end - first)
-        kinds = dtypes[first:end]
-        for g, h in strips(ranges[first:end], kinds, lambda i: strip_bytes(kinds[i])):
+        for g, h in strips(ranges[first:end], dtypes[first:end], strip_bytes):
             at = slice(first + g, first + h)
             sq[at], mx[at], nnz[at] = delta_strip(
                 base_raw[g * size : h * size],
@@ -227,7 +226,7 @@ def _measure_batch(
     # The batch's base in fp64, held while the experts' jobs use it (the next batch reuses it).
     elements = [(b - a) // DTYPES[dt].itemsize for (a, b), dt in zip(blocks.ranges[0], base_dtypes)]
     held, at = _SCRATCH.get("batch", sum(elements)), 0
-    for first, end in strips(blocks.ranges[0], base_dtypes, lambda i: strip_bytes(base_dtypes[i])):
+    for first, end in strips(blocks.ranges[0], base_dtypes, strip_bytes):
         raw = chunks[0][blocks.ranges[0][first][0] : blocks.ranges[0][end - 1][1]]
         n = sum(elements[first:end])
         base64, energy = base_strip(raw, base_dtypes[first], end - first, held[at : at + n])

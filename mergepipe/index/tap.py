@@ -35,7 +35,7 @@ from mergepipe.index.stats import (
     delta_strip,
     strip_bytes,
 )
-from mergepipe.ranges import strips
+from mergepipe.operators.ranges import strips
 from mergepipe.storage.location import join
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES
@@ -265,7 +265,7 @@ class StatsTap:
                     numbers_.append(block)
                     bounds.append((o + r0 * rb, o + r1 * rb))
                     kinds.append(kind.kind)
-            for s, e in strips(bounds, kinds, lambda i: strip_bytes(kinds[i][0])):
+            for s, e in strips(bounds, kinds, lambda kind: strip_bytes(kind[0])):
                 x0, x1 = bounds[s][0], bounds[e - 1][1]
                 cut = [(x - x0, y - x0) for x, y in bounds[s:e]]
                 self._strip(tensors[s:e], numbers_[s:e], [v[x0:x1] for v in views], [cut] * len(views), kinds[s])
@@ -294,7 +294,7 @@ class StatsTap:
             bounds.append((at, at + len(raws[0])))
             at += len(raws[0])
         kinds = [self.kinds[i].kind for i, _, _ in ready]
-        for first, end in strips(bounds, kinds, lambda i: strip_bytes(kinds[i][0])):
+        for first, end in strips(bounds, kinds, lambda kind: strip_bytes(kind[0])):
             group = ready[first:end]
             joined, cuts = [], []
             for p in range(len(self.models)):

@@ -37,9 +37,9 @@ from mergepipe.operators.base import (
     flag,
 )
 from mergepipe.operators.draws import default_keep
+from mergepipe.operators.ranges import tiles
 from mergepipe.operators.slabs import MagnitudeKeep, OutlierKeep, RandomKeep, RankKeep, SlabMerge
 from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
-from mergepipe.ranges import tiles
 
 # (tau, params, expert, ctx) -> the sparsified tau; tau is a fresh delta it may change in place
 Sparsifier = "Callable[[torch.Tensor, MergeParams, int, TensorContext], torch.Tensor]"

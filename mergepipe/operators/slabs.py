@@ -27,8 +27,8 @@ import numpy as np
 from mergepipe import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, TensorContext, as_rows
 from mergepipe.operators.draws import block_draws
+from mergepipe.operators.ranges import Slab, slabs_of
 from mergepipe.operators.sparsify import block_keep_mask, della_keep_probs, rescale_factor
-from mergepipe.ranges import Slab, slabs_of
 
 # Elements per slab: K fp32 slabs of this size and the election's buffers stay in the CPU cache.
 SLAB_ELEMENTS = 1 << 18

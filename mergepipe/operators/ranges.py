@@ -147,10 +147,10 @@ def chunk_blocks(blocks: list[Range], row_bytes: int, chunk: int) -> list[list[i
     return runs
 
 
-def strips(ranges: list[Range], kinds: Sequence, most_bytes: Callable[[int], int]) -> list[Range]:
+def strips(ranges: list[Range], kinds: Sequence, most_bytes: Callable[[object], int]) -> list[Range]:
     """Positions [first, end) of ranges taken together: consecutive ones of one kind and size,
-    each starting where the last ended, up to most_bytes(first) bytes in all (a range alone may
-    exceed it)."""
+    each starting where the last ended, up to most_bytes(their kind) bytes in all (a range alone
+    may exceed it)."""
     out: list[Range] = []
     for i, (a, b) in enumerate(ranges):
         if out:
@@ -161,7 +161,7 @@ def strips(ranges: list[Range], kinds: Sequence, most_bytes: Callable[[int], int
                 a == last[1]
                 and size == last[1] - last[0]
                 and kinds[i] == kinds[first]
-                and (end - first + 1) * size <= most_bytes(first)
+                and (end - first + 1) * size <= most_bytes(kinds[first])
             ):
                 out[-1] = (first, i + 1)
                 continue
