@@ -86,7 +86,7 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     before any pass)."""
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)  # slabs of a few rows: windows of a few slabs
     monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0 if bounded else 1 << 60)
-    saved.load.cache_clear()  # plans of the same digest, made with or without the bounds
+    saved.forget()  # plans of the same digest, made with or without the bounds
     density = None if method == "nuslerp" else 0.5
     cfg = config_for(tmp_path, bf16_family, method, density=density, budget="60%", **extra)
     whole = merge(config=str(cfg), out=str(tmp_path / "whole"), catalog=session_catalog)
@@ -127,7 +127,7 @@ def test_plans_bound_each_large_tensors_nonzero_deltas_by_its_read_blocks_differ
     """planner.nonzero_bounds: per tensor and expert, the elements of the planned rows whose
     stored bits differ from the base's (a delta is nonzero only there)."""
     monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0)
-    saved.load.cache_clear()
+    saved.forget()
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.5, budget="40%")
     plan, _ = saved.load(merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)["plan_dir"])
     base = load_model(bf16_family.base)

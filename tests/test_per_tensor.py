@@ -4,6 +4,7 @@ layout, the access set's hash in Arrow, the catalog's schema written once."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,6 +29,7 @@ from mergepipe.index.family import load_family
 from mergepipe.index.stats import content_digest
 from mergepipe.operators.base import MergeParams
 from mergepipe.plan import saved
+from mergepipe.plan.output import output_layout_of
 from mergepipe.plan.params import resolve_params, resolve_tensor_params
 from mergepipe.plan.record import ACCESS_SCHEMA, Plan, access_set_sha256
 from mergepipe.storage import model_files
@@ -91,14 +93,14 @@ def test_a_header_the_models_share_is_parsed_once_and_each_file_still_checked(tm
     calls = []
     parse = model_files.parse_header
     monkeypatch.setattr(
-        model_files, "parse_header", lambda raw, size, path: calls.append(path) or parse(raw, size, path)
+        model_files, "parse_header", lambda raw, size, path, file: calls.append(path) or parse(raw, size, path, file)
     )
     with RangeReader() as reader:
         family = load_family(str(base), [str(same), str(other), str(same)], reader)
     assert len(calls) == 2  # the base's header (shared by `same`) and `other`'s
-    assert family.experts[0].tensors == family.base.tensors
-    assert family.experts[1].tensors != family.base.tensors
-    assert {n: loc.info.dtype for n, loc in family.experts[1].tensors.items()} == {f"t{i}": "F32" for i in range(6)}
+    assert family.experts[0].layout is family.base.layout and family.experts[2].layout is family.base.layout
+    assert family.experts[1].layout is not family.base.layout
+    assert {n: loc.dtype for n, loc in family.experts[1].tensors.items()} == {f"t{i}": "F32" for i in range(6)}
     # A file with the same header bytes but cut short is checked against its own size.
     shard = same / "model.safetensors"
     shard.write_bytes(shard.read_bytes()[:-2])
@@ -118,17 +120,42 @@ def test_a_plan_records_a_layout_its_models_share_once(tmp_path):
         (True, False),
         (True, False),
     ]
-    saved.load.cache_clear()
+    saved.forget()
     plan, _ = saved.load(result["plan_dir"])
-    assert plan.inputs[1].tensors is plan.inputs[0].tensors
+    assert plan.inputs[1].layout is plan.inputs[0].layout
     with RangeReader() as reader:
         family = load_family(str(fam.base), [str(e) for e in fam.experts], reader)
     for inp, model in zip(plan.inputs, [family.base, *family.experts]):
         assert {n: (t.file, t.dtype, t.shape, t.start) for n, t in inp.tensors.items()} == {
-            n: (loc.file, loc.info.dtype, loc.info.shape, loc.info.start) for n, loc in model.tensors.items()
+            n: (loc.file, loc.dtype, loc.shape, loc.start) for n, loc in model.tensors.items()
         }
     again = Plan.from_json(plan.as_json(), plan.access)
-    assert again.as_json() == plan.as_json() and again.inputs[2].tensors is again.inputs[0].tensors
+    assert again.as_json() == plan.as_json() and again.inputs[2].layout is again.inputs[0].layout
+
+
+def test_an_output_layout_is_laid_out_once_per_input_layout_and_a_saved_plan_kept_as_is(tmp_path):
+    fam = make_family(tmp_path / "fam", experts=("dense",), n_layers=1, hidden=16, intermediate=32, vocab=32)
+    cfg = tmp_path / "merge.yaml"
+    models = [{"model": str(e), "parameters": {"weight": 0.5}} for e in fam.experts]
+    cfg.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": str(fam.base), "models": models}))
+    folder = plan_flow(config=str(cfg), catalog=str(tmp_path / "catalog.duckdb"))["plan_dir"]
+    saved.forget()
+    plan, layout = saved.load(folder)
+    assert saved.load(folder)[0] is plan  # read once per process
+    # Another plan of this Layout object (as a first merge's recorded plan is) takes its layout
+    # as it is; other settings, or an equal Layout read again, are laid out anew.
+    assert output_layout_of(dataclasses.replace(plan, plan_digest="x", budget_bytes=1)) is layout
+    smaller = output_layout_of(dataclasses.replace(plan, out_shard_size=1))
+    assert smaller is not layout and len(smaller.shards) == len(layout.tensors) > 1
+    again = Plan.from_json(plan.as_json(), plan.access)
+    assert again.inputs[0].layout is not plan.inputs[0].layout
+    assert again.inputs[0].tensors == plan.inputs[0].tensors
+    assert output_layout_of(again) is not layout and output_layout_of(again) == layout
+    # Saving keeps the plan as it was made; read back, it is the same record.
+    kept = saved.save(again, tmp_path / "plans")
+    assert saved.load(kept)[0] is again
+    saved.forget()
+    assert saved.load(kept)[0] is not again and saved.load(kept)[0].as_json() == again.as_json()
 
 
 def _line_by_line_sha256(access: pa.Table) -> str:
@@ -212,7 +239,7 @@ def test_content_digest_is_the_digest_of_the_plain_json_entries(tmp_path, ascii_
     with RangeReader() as reader:
         model = load_family(str(folder), [], reader).base
     hashes = {n: hashlib.sha256(n.encode()).hexdigest() for n in names}
-    entries = {n: [loc.info.dtype, list(loc.info.shape), hashes[n]] for n, loc in model.tensors.items()}
+    entries = {n: [loc.dtype, list(loc.shape), hashes[n]] for n, loc in model.tensors.items()}
     expected = sha256_hex(_plain(entries))
     assert content_digest(hashes, model) == expected
     # Entry texts are kept for the next model of the same layout; another layout, and other

@@ -70,7 +70,7 @@ def test_tap_gives_the_statistics_pass_result_however_bytes_come(tmp_path, patte
     inputs = describe_inputs(family, {fp: "-" for fp in [family.base_fp, *family.expert_fps()]})
     names = sorted(family.base.tensors)
     tap = StatsTap(inputs, [p + 1 for p in positions], BLOCK, names)
-    assert tap._shared is not float32_expert  # the fast path is what "one-layout" tests
+    assert tap.one_layout is not float32_expert  # the fast path is what "one-layout" tests
     for requests, buffers in _feeds(family, inputs, pattern, random.Random(11)):
         tap.feed(requests, buffers)
     got = tap_stats([tap.result()], family, positions)

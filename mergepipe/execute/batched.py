@@ -63,8 +63,8 @@ def _batch_key(g: GroupContext, name: str) -> tuple:
     t = g.base.tensors[name]
     out = g.layout.tensors[name]
     # (file, dtype) of each expert's tensor: the base's where they share its table
-    experts = None if g.shared_table else tuple([m.tensors[name][:2] for m in g.experts])
-    return (t.file, t.dtype, out.shard, out.dtype, experts, g.params.by_tensor.get(name, 0))
+    experts = None if g.one_layout else tuple([m.tensors[name][:2] for m in g.experts])
+    return (t.file, t.dtype, out.file, out.dtype, experts, g.params.by_tensor.get(name, 0))
 
 
 def _follows(g: GroupContext, before: TensorReads, r: TensorReads) -> bool:
@@ -86,7 +86,7 @@ def batch_reads(g: GroupContext, batch: list[TensorReads]) -> BatchReads:
     for r, off, t in zip(batch, offsets, tensors):
         width = math.prod(t.shape[1:])
         for k, runs in r.runs.items():
-            start = t.start if g.shared_table else g.expert_tensor(k, r.name).start
+            start = t.start if g.one_layout else g.expert_tensor(k, r.name).start
             step, pk, bk = width * sizes[k], pieces[k], byte_ranges[k]
             for r0, r1 in runs:
                 pk.append((off + r0 * width, off + r1 * width))

@@ -15,11 +15,11 @@ from mergepipe.index.blocks import block_rows, byte_range
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows
 from mergepipe.plan.output import OutputLayout
-from mergepipe.plan.record import InputModel, Plan, TensorEntry
+from mergepipe.plan.record import InputModel, Plan
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
 from mergepipe.storage.reader import RangeReader, ReadRequest
-from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, decode
+from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, TensorPlace, decode
 from mergepipe.storage.writer import write_at
 
 
@@ -54,9 +54,8 @@ class GroupContext:
         self.plan, self.layout, self.staging, self.ledger = plan, layout, staging, ledger
         self.base: InputModel = plan.inputs[0]
         self.experts: list[InputModel] = plan.inputs[1:]
-        # Every input has the base's very table of tensors (plan.record.describe_inputs shares
-        # one where the models store the same tensors at the same places).
-        self.shared_table = all(m.tensors is self.base.tensors for m in self.experts)
+        # Every expert stores its tensors where the base does (one Layout, shared by reference).
+        self.one_layout = all(m.layout is self.base.layout for m in self.experts)
         # bytes this group's merge may hold (execute.memory); None: every tensor merged whole
         self.per_group = memory.per_group if memory is not None else None
         self.reader: RangeReader = RangeReader(ledger)
@@ -108,7 +107,7 @@ class GroupContext:
             name, tuple(block_rows(t.shape, DTYPES[t.dtype].itemsize, self.plan.block_size)), self.seed, **kw
         )
 
-    def expert_tensor(self, k: int, name: str) -> TensorEntry:
+    def expert_tensor(self, k: int, name: str) -> TensorPlace:
         return self.experts[k].tensors[name]
 
     def expert_request(self, k: int, name: str, row_runs: list[tuple[int, int]]) -> ReadRequest:
@@ -135,4 +134,4 @@ class GroupContext:
         staged output; hashed in the order written (layout order)."""
         out = self.layout.tensors[name]
         self.written.update(data)
-        write_at(self.staging / out.shard, out.start + first_element * DTYPES[out.dtype].itemsize, data, self.ledger)
+        write_at(self.staging / out.file, out.start + first_element * DTYPES[out.dtype].itemsize, data, self.ledger)

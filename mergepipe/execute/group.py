@@ -148,7 +148,7 @@ def _alone(g: GroupContext, reads: TensorReads) -> TensorReads:
 
 def group_regions(layout: OutputLayout, group: str) -> list[tuple[str, int, int]]:
     """(shard, start, end) of each tensor of a group in the output, in the order it is written."""
-    return [(layout.tensors[n].shard, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
+    return [(layout.tensors[n].file, layout.tensors[n].start, layout.tensors[n].end) for n in layout.groups[group]]
 
 
 def merge_group(

@@ -8,7 +8,7 @@ from operator import itemgetter
 from mergepipe.config.spec import MODEL_LOCATION, expert_label
 from mergepipe.errors import BadInput
 from mergepipe.storage.canonical import digest_of
-from mergepipe.storage.model_files import ModelFiles, read_model
+from mergepipe.storage.model_files import Layouts, ModelFiles, read_model
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES
 
@@ -34,12 +34,12 @@ class Family:
         return [model_fingerprint(e) for e in self.experts]
 
     def tensor_names(self) -> list[str]:
-        return sorted(self.base.tensors)
+        return list(self.base.tensors)  # a Layout's names are sorted
 
 
-def _shapes_and_dtypes(model: ModelFiles, names: list[str]) -> tuple[list, list]:
-    infos = [loc.info for loc in map(model.tensors.__getitem__, names)]
-    return list(map(itemgetter(2), infos)), list(map(itemgetter(1), infos))
+def _shapes_and_dtypes(model: ModelFiles) -> tuple[list, list]:
+    places = list(model.tensors.values())  # by name, sorted
+    return list(map(itemgetter(2), places)), list(map(itemgetter(1), places))
 
 
 def _dtypes_agree(base: str, expert: str) -> bool:
@@ -50,8 +50,7 @@ def _dtypes_agree(base: str, expert: str) -> bool:
 def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
     """Same tensor names and shapes everywhere; floating dtypes may differ, others may not."""
     names = set(base.tensors)
-    order = sorted(names)
-    base_shapes, base_dtypes = _shapes_and_dtypes(base, order)
+    base_shapes, base_dtypes = _shapes_and_dtypes(base)
     for i, e in enumerate(experts):
         who = f"expert {i} ({e.uri})"
         # A single file that holds part of a model looks like a family mismatch: say what is wanted.
@@ -62,13 +61,13 @@ def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
         missing = sorted(names - set(e.tensors))
         if missing:
             raise BadInput(f"{who}: tensor {missing[0]!r} of the base model is missing{hint}")
-        if e.tensors == base.tensors:  # the base's very layout (one library saved them all)
+        if e.layout is base.layout:  # one library saved them all
             continue
-        shapes, dtypes = _shapes_and_dtypes(e, order)
+        shapes, dtypes = _shapes_and_dtypes(e)
         if shapes == base_shapes and all(_dtypes_agree(*pair) for pair in set(zip(base_dtypes, dtypes))):
             continue  # else find the first tensor that disagrees, and name it
-        for name in order:
-            b, x = base.tensors[name].info, e.tensors[name].info
+        for name in base.tensors:
+            b, x = base.tensors[name], e.tensors[name]
             if b.shape != x.shape:
                 raise BadInput(f"{who}: tensor {name!r} has shape {list(x.shape)}, the base has {list(b.shape)}")
             if not _dtypes_agree(b.dtype, x.dtype):
@@ -77,8 +76,8 @@ def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
 
 def load_family(base_uri: str, expert_uris: list[str], reader: RangeReader) -> Family:
     """Read every header (never tensor data) and check the family before anything else runs."""
-    parsed: dict = {}  # headers the family's models share are parsed once
-    base = read_model(base_uri, reader, "base", parsed)
-    experts = [read_model(u, reader, expert_label(i), parsed) for i, u in enumerate(expert_uris)]
+    layouts: Layouts = {}  # headers the family's models share are parsed once, into one Layout
+    base = read_model(base_uri, reader, "base", layouts)
+    experts = [read_model(u, reader, expert_label(i), layouts) for i, u in enumerate(expert_uris)]
     validate_family(base, experts)
     return Family(base, experts)

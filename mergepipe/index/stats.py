@@ -139,7 +139,7 @@ def block_hash(raw) -> str:
 
 def content_digest(tensor_hashes: dict[str, str], model: ModelFiles) -> str:
     """SHA-256 of json_bytes({name: [dtype, shape, tensor hash]}) over the model's tensors."""
-    entries = {name: (loc.info.dtype, loc.info.shape, tensor_hashes[name]) for name, loc in model.tensors.items()}
+    entries = {name: (loc.dtype, loc.shape, tensor_hashes[name]) for name, loc in model.tensors.items()}
     return sha256_hex(json_bytes(entries, floats=False))
 
 
@@ -198,7 +198,7 @@ def _expert_stats(
     for name, view in blocks.tensor_bytes[p]:
         hashers[name].update(view)
     ranges = blocks.ranges[p]
-    dtypes = [model.tensors[n].info.dtype for n in blocks.names]
+    dtypes = [model.tensors[n].dtype for n in blocks.names]
     n = len(ranges)
     sq, mx, nnz = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
     for first, end, base_dtype, base_raw, base64 in base_strips:
@@ -221,7 +221,7 @@ def _measure_batch(
 ) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
     """The base's layout rows of one batch's float blocks, and the experts' statistics rows
     (block by block, the experts in turn)."""
-    base_dtypes = [family.base.tensors[n].info.dtype for n in blocks.names]
+    base_dtypes = [family.base.tensors[n].dtype for n in blocks.names]
     base_strips, base_sq = [], []
     # The batch's base in fp64, held while the experts' jobs use it (the next batch reuses it).
     elements = [(b - a) // DTYPES[dt].itemsize for (a, b), dt in zip(blocks.ranges[0], base_dtypes)]
@@ -337,7 +337,7 @@ def compute_stats(
 
 class BlockRun(NamedTuple):
     name: str
-    info: object  # the base's TensorInfo
+    info: object  # the base's TensorPlace
     dt: object  # its DTYPES entry
     run: tuple[int, ...]  # block numbers
     spans: tuple[tuple[str, int, int], ...]  # per model (base first, then the experts): file, start, end
@@ -383,20 +383,20 @@ def _batch(runs: list[BlockRun], models: list) -> Batch:
 def _block_runs(family: Family, models: list, block_size: int) -> Iterator[BlockRun]:
     """Every run of blocks to read, tensor by tensor in file order (near-sequential on a cold
     disk)."""
-    order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].info.start))
+    order = sorted(family.base.tensors, key=lambda n: (family.base.tensors[n].file, family.base.tensors[n].start))
     for name in order:
-        info = family.base.tensors[name].info
+        info = family.base.tensors[name]
         dt = DTYPES[info.dtype]
         blocks = block_rows(info.shape, dt.itemsize, block_size)
         locations = [m.tensors[name] for _, _, m in models]
-        per_row = [row_elems(info.shape) * DTYPES[loc.info.dtype].itemsize for loc in locations]
+        per_row = [row_elems(info.shape) * DTYPES[loc.dtype].itemsize for loc in locations]
         for run in chunk_blocks(blocks, per_row[0], READ_CHUNK):
             # Tuples of ints and strings throughout: the cycle collector stops tracking them at
             # its first look, so a plan of 100k tensors does not keep it rescanning them.
             rows = tuple([blocks[b] for b in run])
             per_model = tuple(
                 [
-                    tuple([(loc.info.start + r0 * n, loc.info.start + r1 * n) for r0, r1 in rows])
+                    tuple([(loc.start + r0 * n, loc.start + r1 * n) for r0, r1 in rows])
                     for loc, n in zip(locations, per_row)
                 ]
             )

@@ -66,7 +66,7 @@ def model_tables(models: list[ModelFiles]) -> ModelTables:
                 "uri": model.uri,
                 "names": trailing_names(model.uri),
                 "n_tensors": len(model.tensors),
-                "tensor_bytes": sum(loc.info.nbytes for loc in model.tensors.values()),
+                "tensor_bytes": sum(loc.nbytes for loc in model.tensors.values()),
             }
         )
         for shard, ffp in model.fingerprints.items():
@@ -88,10 +88,10 @@ def model_tables(models: list[ModelFiles]) -> ModelTables:
         t_cols["model_fp"].extend([fp] * len(locs))
         t_cols["name"].extend(model.tensors)
         t_cols["file"].extend([loc.file for loc in locs])
-        t_cols["dtype"].extend([loc.info.dtype for loc in locs])
-        t_cols["shape"].extend([loc.info.shape for loc in locs])
-        t_cols["byte_start"].extend([loc.info.start for loc in locs])
-        t_cols["byte_end"].extend([loc.info.end for loc in locs])
+        t_cols["dtype"].extend([loc.dtype for loc in locs])
+        t_cols["shape"].extend([loc.shape for loc in locs])
+        t_cols["byte_start"].extend([loc.start for loc in locs])
+        t_cols["byte_end"].extend([loc.end for loc in locs])
         t_cols["layer"].extend([layer_group(name) for name in model.tensors])
     return ModelTables(
         pa.Table.from_pylist(m_rows, schema=MODELS_SCHEMA),

@@ -142,9 +142,9 @@ class StatsTap:
         self.names = list(names)
         self._number = {n: i for i, n in enumerate(self.names)}
         self._position = {inp.role: self.models.index(i) for i, inp in enumerate(inputs) if i in self.models}
-        # Every tapped model's tensors lie where the base's do (plan.record.describe_inputs shares
-        # one table among them): one model's file index serves all, and their bytes line up.
-        self._shared = all(inputs[m].tensors is inputs[0].tensors for m in self.models)
+        # Every tapped model's tensors lie where the base's do (one Layout): one model's file
+        # index serves all, and their bytes line up.
+        self.one_layout = all(inputs[m].layout is inputs[0].layout for m in self.models)
         kinds: dict[tuple, _Kind] = {}
         self.kinds: list[_Kind] = []
         for name in self.names:
@@ -167,7 +167,7 @@ class StatsTap:
         # sorted by end too, so the last tensor starting at or before a range's start holds it.
         self._files: dict[tuple[int, str], tuple[list[int], list[int], list[int]]] = {}
         for p, m in enumerate(self.models):
-            if p and self._shared:  # the base's index serves every model
+            if p and self.one_layout:  # the base's index serves every model
                 self._files.update({(p, file): index for (q, file), index in self._files.items() if q == 0})
                 continue
             by_file: dict[str, list[tuple[int, int, int]]] = {}
@@ -231,7 +231,7 @@ class StatsTap:
         tensors no byte of which has come before and that lie wholly in one range are hashed and
         measured here, from the ranges' buffers (no copy). Per range: the span [lo, hi) of tensor
         positions (in file order) looked at, and those in it left to stream."""
-        if not self._shared or sorted(p for p, *_ in mine) != list(range(len(self.models))):
+        if not self.one_layout or sorted(p for p, *_ in mine) != list(range(len(self.models))):
             return {}
         mine = sorted(mine, key=lambda x: x[0])
         first = mine[0][1]

@@ -183,7 +183,7 @@ def full_read_plan(
     # Every nonempty block of every float tensor, once; then each new expert's rows of them.
     names, numbers, starts, ends, widths = [], [], [], [], []
     for name in sorted(family.base.tensors):
-        info = family.base.tensors[name].info
+        info = family.base.tensors[name]
         if not DTYPES[info.dtype].is_float:
             continue
         width = row_elems(info.shape)
@@ -200,7 +200,7 @@ def full_read_plan(
     for i, fp in enumerate(expert_fps):
         if fp in new:
             tensors = family.experts[i].tensors
-            itemsize = np.fromiter((DTYPES[tensors[n].info.dtype].itemsize for n in names), np.int64, len(names))
+            itemsize = np.fromiter((DTYPES[tensors[n].dtype].itemsize for n in names), np.int64, len(names))
             columns = [np.full(len(names), i, dtype=np.int32), names, numbers, starts, ends, rows * itemsize]
             parts.append(pa.table(dict(zip(ACCESS_SCHEMA.names, columns)), schema=ACCESS_SCHEMA))
     access = pa.concat_tables(parts)

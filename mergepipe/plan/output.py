@@ -4,11 +4,19 @@ so layer tasks can write their tensors in place, in any order, on any worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
+from weakref import WeakKeyDictionary
 
 from mergepipe.index.blocks import layer_group
-from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, build_header, tensor_nbytes
+from mergepipe.storage.model_files import Layout
+from mergepipe.storage.safetensors_format import (
+    CONFIG_DTYPES,
+    DTYPES,
+    TensorPlace,
+    build_header,
+    make_place,
+    tensor_nbytes,
+)
 
 if TYPE_CHECKING:
     from mergepipe.plan.record import Plan
@@ -24,16 +32,6 @@ def group_sort_key(group: str) -> tuple[int, str]:
     return (3, group)
 
 
-class OutputTensor(NamedTuple):
-    # A tuple: an output of 100k tensors has one each.
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    shard: str
-    start: int
-    end: int
-
-
 @dataclass(frozen=True)
 class OutputShard:
     name: str
@@ -45,11 +43,11 @@ class OutputShard:
 @dataclass(frozen=True)
 class OutputLayout:
     shards: tuple[OutputShard, ...]
-    tensors: dict[str, OutputTensor]
+    tensors: dict[str, TensorPlace]  # each tensor's place in its output shard
     groups: dict[str, tuple[str, ...]]  # execution group -> tensor names, in order
 
     def weight_map(self) -> dict[str, str]:
-        return {n: t.shard for n, t in sorted(self.tensors.items())}
+        return {n: t.file for n, t in sorted(self.tensors.items())}
 
     def total_size(self) -> int:
         return sum(t.end - t.start for t in self.tensors.values())
@@ -86,9 +84,8 @@ def plan_output(entries: dict[str, tuple[str, tuple[int, ...]]], max_shard_bytes
     out_shards, out_tensors = [], {}
     for shard_name, members in zip(names, shards):
         header, ranges = build_header([(m, entries[m][0], entries[m][1]) for m in members])
-        make = partial(tuple.__new__, OutputTensor)  # in C: OutputTensor's own __new__ is Python
         for m, (s, e) in zip(members, ranges):
-            out_tensors[m] = make((m, *entries[m], shard_name, s, e))
+            out_tensors[m] = make_place((shard_name, *entries[m], s, e))
         total = ranges[-1][1] if ranges else len(header)
         out_shards.append(OutputShard(shard_name, header, total, tuple(members)))
     return OutputLayout(tuple(out_shards), out_tensors, {g: tuple(groups[g]) for g in ordered_groups})
@@ -103,18 +100,17 @@ def output_dtype(spec_dtype: str | None, spec_out_dtype: str | None, base_dtype:
 
 
 def output_layout_of(plan: Plan) -> OutputLayout:
-    dtypes = {
-        d: output_dtype(plan.dtype, plan.out_dtype, d) for d in {t.dtype for t in plan.inputs[0].tensors.values()}
-    }
-    entries = {name: (dtypes[t.dtype], t.shape) for name, t in plan.inputs[0].tensors.items()}
-    # A first merge loads two plans of one layout (the one executed, the one recorded): the
-    # layout is laid out once (comparing the entries costs far less than laying them out).
-    for (cached, size), layout in _LAYOUTS:
-        if size == plan.out_shard_size and cached == entries:
-            return layout
-    layout = plan_output(entries, plan.out_shard_size)
-    _LAYOUTS[:] = [((entries, plan.out_shard_size), layout), *_LAYOUTS[:1]]
-    return layout
+    """The plan's output layout. It depends only on the base's Layout and three settings, so it
+    is laid out once per Layout object (plans of one family share it: a first merge has two)."""
+    base = plan.inputs[0].layout
+    key = (plan.dtype, plan.out_dtype, plan.out_shard_size)
+    known = _OUTPUTS.setdefault(base, {})
+    if key not in known:
+        dtypes = {d: output_dtype(plan.dtype, plan.out_dtype, d) for d in {t.dtype for t in base.tensors.values()}}
+        entries = {name: (dtypes[t.dtype], t.shape) for name, t in base.tensors.items()}
+        known[key] = plan_output(entries, plan.out_shard_size)
+    return known[key]
 
 
-_LAYOUTS: list = []  # the last two layouts, with the entries and shard size they were laid out from
+# Output layouts by the input Layout they were laid out from, kept while that Layout lives.
+_OUTPUTS: WeakKeyDictionary[Layout, dict[tuple, OutputLayout]] = WeakKeyDictionary()

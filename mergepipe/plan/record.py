@@ -11,9 +11,7 @@ import hashlib
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field, fields
-from functools import partial
 from operator import itemgetter
-from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -24,8 +22,8 @@ from mergepipe.index.family import Family, model_fingerprint
 from mergepipe.operators import ParamTable, get_operator
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.storage.canonical import digest_of, round_sig
-from mergepipe.storage.model_files import ModelFiles
-from mergepipe.storage.safetensors_format import tensor_nbytes
+from mergepipe.storage.model_files import Layout
+from mergepipe.storage.safetensors_format import TensorPlace, make_place, tensor_nbytes
 
 ACCESS_SCHEMA = pa.schema(
     [
@@ -67,19 +65,6 @@ def error_bound(omitted: pa.Table) -> float:
     return math.sqrt(math.fsum(math.fsum(v) ** 2 for v in per_block.values()))
 
 
-class TensorEntry(NamedTuple):
-    """Where one input tensor lies: its shard, dtype, shape and first byte in the shard."""
-
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    start: int
-
-    @property
-    def nbytes(self) -> int:
-        return tensor_nbytes(self.dtype, self.shape)
-
-
 @dataclass
 class InputModel:
     role: str  # "base" or expert_label(i)
@@ -88,18 +73,21 @@ class InputModel:
     model_fp: str
     content_sha256: str
     files: dict[str, dict]  # shard -> its fingerprint
-    tensors: dict[str, TensorEntry]
+    layout: Layout  # shared by reference with every input of the same layout
     sidecars: list[str] = field(default_factory=list)
 
+    @property
+    def tensors(self) -> dict[str, TensorPlace]:
+        return self.layout.tensors
+
     def as_json(self, same_as: int | None = None) -> dict:
-        """same_as: the position of an earlier input with this very table, recorded instead."""
-        # Field by field: dataclasses.asdict would deep-copy every TensorEntry first.
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tensors"}
+        """same_as: the position of an earlier input of this very layout, recorded instead."""
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
         data["files"] = {s: dict(fp) for s, fp in self.files.items()}
         data["sidecars"] = list(self.sidecars)
         if same_as is not None:
             data["tensors_as"] = same_as
-        else:
+        else:  # the end is the start and the dtype's bytes of the shape, so not recorded
             data["tensors"] = {n: [t.file, t.dtype, list(t.shape), t.start] for n, t in self.tensors.items()}
         return data
 
@@ -107,38 +95,19 @@ class InputModel:
     def from_json(cls, data: dict, earlier: list["InputModel"] = ()) -> "InputModel":
         data = dict(data)
         if "tensors_as" in data:
-            tensors = earlier[data.pop("tensors_as")].tensors
+            layout = earlier[data.pop("tensors_as")].layout
         else:
-            tensors = dict(
-                zip(
-                    data["tensors"],
-                    map(
-                        partial(tuple.__new__, TensorEntry),
-                        ((f, d, tuple(shape), start) for f, d, shape, start in data["tensors"].values()),
-                    ),
-                )
-            )
-        return cls(**{**data, "tensors": tensors})
-
-
-def _entries(model: ModelFiles) -> dict[str, TensorEntry]:
-    names = sorted(model.tensors)
-    infos = [loc.info for loc in map(model.tensors.__getitem__, names)]
-    columns = map(itemgetter(0), map(model.tensors.__getitem__, names)), *(map(itemgetter(i), infos) for i in (1, 2, 3))
-    return dict(zip(names, map(partial(tuple.__new__, TensorEntry), zip(*columns))))
+            records = data.pop("tensors").items()
+            places = ((f, d, tuple(s), a, a + tensor_nbytes(d, s)) for _, (f, d, s, a) in records)
+            layout = Layout.of(dict(zip(map(itemgetter(0), records), map(make_place, places))))
+        return cls(**data, layout=layout)
 
 
 def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]:
-    """The inputs as a plan records them. Models whose tensors lie exactly where an earlier
-    one's do (the usual family: one layout, saved by one library) share its table."""
-    out: list[InputModel] = []
-    tables: list[tuple[ModelFiles, dict[str, TensorEntry]]] = []
+    """The inputs as a plan records them, each with its model's Layout (shared by reference)."""
+    out = []
     for role, model in [("base", family.base)] + [(expert_label(i), e) for i, e in enumerate(family.experts)]:
         fp = model_fingerprint(model)
-        tensors = next((t for m, t in tables if m.tensors == model.tensors), None)
-        if tensors is None:
-            tensors = _entries(model)
-            tables.append((model, tensors))
         out.append(
             InputModel(
                 role=role,
@@ -147,7 +116,7 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
                 model_fp=fp,
                 content_sha256=content[fp],
                 files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},
-                tensors=tensors,
+                layout=model.layout,
                 sidecars=list(model.sidecars),
             )
         )
@@ -212,9 +181,9 @@ class Plan:
     def as_json(self) -> dict:
         """Everything but the access set (saved beside it as a table)."""
         data = {k: v for k, v in self.__dict__.items() if k not in ("access", "inputs")}
-        tables = [i.tensors for i in self.inputs]
+        layouts = [i.layout for i in self.inputs]
         data["inputs"] = [
-            i.as_json(next((j for j in range(k) if tables[j] is i.tensors), None)) for k, i in enumerate(self.inputs)
+            i.as_json(next((j for j in range(k) if layouts[j] is i.layout), None)) for k, i in enumerate(self.inputs)
         ]
         return data
 
@@ -241,8 +210,8 @@ def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int
 def full_expert_bytes(family: Family) -> int:
     total = 0
     for e in family.experts:
-        infos = list(map(itemgetter(1), e.tensors.values()))
-        total += sum(map(itemgetter(4), infos)) - sum(map(itemgetter(3), infos))
+        places = e.tensors.values()
+        total += sum(map(itemgetter(4), places)) - sum(map(itemgetter(3), places))
     return total
 
 

@@ -2,23 +2,43 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections import OrderedDict
 from pathlib import Path
 
 from mergepipe.plan.output import OutputLayout, output_layout_of
 from mergepipe.plan.record import Plan
 from mergepipe.storage import plans
 
+_KEPT = 4  # plans a process keeps loaded (a first merge uses two)
+_loaded: OrderedDict[str, tuple[Plan, OutputLayout]] = OrderedDict()
+
 
 def save(plan: Plan, root: Path) -> str:
-    """Save the plan under `root` (MERGEPIPE_HOME's plans); returns its folder."""
+    """Save the plan under `root` (MERGEPIPE_HOME's plans); returns its folder. The saving
+    process keeps the plan as it is: its own layer tasks and publishing need not read it back."""
     folder = plans.plan_folder(root, plan.plan_digest, [(i.uri, i.model_fp) for i in plan.inputs])
-    return str(plans.save_plan(folder, plan.as_json(), plan.access))
+    folder = str(plans.save_plan(folder, plan.as_json(), plan.access))
+    _keep(folder, plan)
+    return folder
 
 
-@lru_cache(maxsize=4)
 def load(folder: str) -> tuple[Plan, OutputLayout]:
-    """A saved plan and its output layout, loaded once per process."""
+    """A saved plan and its output layout, read once per process."""
+    if folder in _loaded:
+        _loaded.move_to_end(folder)
+        return _loaded[folder]
     record, access = plans.load_plan(folder)
-    plan = Plan.from_json(record, access)
-    return plan, output_layout_of(plan)
+    return _keep(folder, Plan.from_json(record, access))
+
+
+def forget() -> None:
+    """Read every plan again from its folder at its next load."""
+    _loaded.clear()
+
+
+def _keep(folder: str, plan: Plan) -> tuple[Plan, OutputLayout]:
+    _loaded[folder] = plan, output_layout_of(plan)
+    _loaded.move_to_end(folder)
+    while len(_loaded) > _KEPT:
+        _loaded.popitem(last=False)
+    return _loaded[folder]

@@ -19,12 +19,12 @@ CHUNK_BYTES = 64 << 20
 
 def _chunks(model: ModelFiles, name: str, reader: RangeReader, role: str):
     loc = model.tensors[name]
-    shape, dtype = tuple(loc.info.shape), loc.info.dtype
+    shape, dtype = tuple(loc.shape), loc.dtype
     itemsize = DTYPES[dtype].itemsize
     width = math.prod(shape[1:]) if len(shape) > 1 else 1
     path = join(model.root, loc.file)
     for r0, r1 in block_rows(shape, itemsize, CHUNK_BYTES):
-        start, end = byte_range(loc.info.start, shape, itemsize, r0, r1)
+        start, end = byte_range(loc.start, shape, itemsize, r0, r1)
         # Counted as a verification read (this reader's ledger is not part of any merge's).
         raw = reader.read(path, start, end, role="checksum", model=role, file=loc.file)
         values = decode(raw, dtype, (r1 - r0, width) if len(shape) else ()).to(torch.float64, copy=True)
@@ -41,10 +41,10 @@ def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:
         )
         diff_sq, full_sq, delta_sq = [], [], []
         for name in sorted(full.tensors):
-            if not DTYPES[full.tensors[name].info.dtype].is_float:
+            if not DTYPES[full.tensors[name].dtype].is_float:
                 continue
             for who in (merged, base):
-                if name not in who.tensors or who.tensors[name].info.shape != full.tensors[name].info.shape:
+                if name not in who.tensors or who.tensors[name].shape != full.tensors[name].shape:
                     raise BadInput(f"{who.uri}: tensor {name!r} is missing or has another shape than in {full.uri}")
             for m, f, b in zip(
                 _chunks(merged, name, reader, "merged"),

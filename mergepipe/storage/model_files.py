@@ -5,16 +5,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
-from functools import partial
-from itertools import repeat
-from operator import itemgetter
-from typing import NamedTuple
 
 from mergepipe.errors import BadInput
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.reader import RangeReader, fingerprint, list_folder, read_small_file, stat
-from mergepipe.storage.safetensors_format import TensorInfo, header_length, parse_header
+from mergepipe.storage.safetensors_format import TensorPlace, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,10 +34,24 @@ SIDECAR_FILES = (
 )
 
 
-class TensorLocation(NamedTuple):
-    # A tuple (as TensorInfo is): a model of 100k tensors builds 100k of them.
-    file: str  # shard name relative to the model folder
-    info: TensorInfo
+@dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
+class Layout:
+    """Which tensors a model's shards hold and where each lies, by name in sorted order.
+
+    Models whose shards have the same names, sizes and header bytes (the usual family: one
+    layout saved by one library) share one Layout by reference, so "these models store the
+    same tensors at the same places" is `a.layout is b.layout`, everywhere. Compared by
+    identity; what depends on a layout alone may be kept with it (a weak reference's key)."""
+
+    tensors: dict[str, TensorPlace]
+
+    @classmethod
+    def of(cls, tensors: dict[str, TensorPlace]) -> "Layout":
+        return cls(dict(sorted(tensors.items())))
+
+
+# A family's layouts, keyed on what they are read from: each shard's (name, size, header bytes).
+Layouts = dict[tuple[tuple[str, int, bytes], ...], Layout]
 
 
 @dataclass
@@ -51,8 +61,12 @@ class ModelFiles:
     shards: list[str]
     sidecars: list[str]
     fingerprints: dict[str, FileFingerprint] = field(default_factory=dict)
-    tensors: dict[str, TensorLocation] = field(default_factory=dict)
+    layout: Layout = field(default_factory=lambda: Layout({}))
     header_bytes: dict[str, bytes] = field(default_factory=dict)
+
+    @property
+    def tensors(self) -> dict[str, TensorPlace]:
+        return self.layout.tensors
 
     def path(self, name: str) -> str:
         return join(self.root, name)
@@ -103,14 +117,15 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
     raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
 
 
-def read_model(uri: str, reader: RangeReader, label: str, parsed: dict | None = None) -> ModelFiles:
+def read_model(uri: str, reader: RangeReader, label: str, layouts: Layouts | None = None) -> ModelFiles:
     """Discover the files, fingerprint them, and read each header with two small ranged reads.
 
-    `parsed`: a dict the caller keeps across the models of a family. A shard whose name, size
-    and header bytes are another's (the usual family: one layout saved by one library) takes
-    that one's checked tensors instead of parsing the same header again."""
+    `layouts`: the family's, kept by the caller across its models. A model whose shards have
+    another's names, sizes and header bytes takes that one's checked Layout instead of parsing
+    the same headers again."""
     model, weight_map = discover(uri)
-    parsed = {} if parsed is None else parsed
+    layouts = {} if layouts is None else layouts
+    key = []
     for shard in model.shards:
         path = model.path(shard)
         fp = fingerprint(path)
@@ -119,28 +134,34 @@ def read_model(uri: str, reader: RangeReader, label: str, parsed: dict | None = 
         n = header_length(bytes(prefix), fp.size, path)
         raw = bytes(reader.read(path, 8, 8 + n, role="header", model=label, file=shard))
         model.header_bytes[shard] = bytes(prefix) + raw
-        key = (shard, fp.size, raw)
-        if key not in parsed:
-            tensors, _ = parse_header(raw, fp.size, path)
-            names = list(map(itemgetter(0), tensors))
-            parsed[key] = names, list(map(partial(tuple.__new__, TensorLocation), zip(repeat(shard), tensors)))
-        names, locations = parsed[key]
-        twice = model.tensors.keys() & names
-        if twice:
-            name = next(n for n in names if n in twice)
-            raise BadInput(f"{uri}: tensor {name!r} appears in both {model.tensors[name].file} and {shard}")
-        if weight_map is not None:
-            elsewhere = [n for n in names if weight_map.get(n) != shard]
-            if elsewhere:
-                raise BadInput(
-                    f"{model.path(INDEX_FILE)}: tensor {elsewhere[0]!r} is in {shard} but the weight_map says "
-                    f"{weight_map.get(elsewhere[0])!r}"
-                )
-        model.tensors.update(zip(names, locations))
+        key.append((shard, fp.size, raw))
+    key = tuple(key)
+    if key not in layouts:
+        layouts[key] = _layout(model, key)
+    model.layout = layouts[key]
     if weight_map is not None:
+        elsewhere = next((n for n, t in model.tensors.items() if weight_map.get(n) != t.file), None)
+        if elsewhere is not None:
+            raise BadInput(
+                f"{model.path(INDEX_FILE)}: tensor {elsewhere!r} is in {model.tensors[elsewhere].file} but the "
+                f"weight_map says {weight_map.get(elsewhere)!r}"
+            )
         missing = sorted(set(weight_map) - set(model.tensors))
         if missing:
             raise BadInput(
                 f"{model.path(INDEX_FILE)}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]}"
             )
     return model
+
+
+def _layout(model: ModelFiles, key: tuple[tuple[str, int, bytes], ...]) -> Layout:
+    """The model's Layout from its shards' headers, each checked against its file's size."""
+    tensors: dict[str, TensorPlace] = {}
+    for shard, size, raw in key:
+        places, _ = parse_header(raw, size, model.path(shard), shard)
+        twice = tensors.keys() & places.keys()
+        if twice:
+            name = next(n for n in places if n in twice)
+            raise BadInput(f"{model.uri}: tensor {name!r} appears in both {tensors[name].file} and {shard}")
+        tensors.update(places)
+    return Layout.of(tensors)

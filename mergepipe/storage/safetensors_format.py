@@ -8,7 +8,7 @@ import math
 import struct
 from dataclasses import dataclass
 from functools import partial
-from itertools import chain
+from itertools import chain, repeat
 from operator import itemgetter
 from typing import Callable, NamedTuple
 
@@ -57,12 +57,15 @@ def tensor_nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     return DTYPES[dtype].itemsize * math.prod(shape)
 
 
-class TensorInfo(NamedTuple):
-    # A tuple, not a frozen dataclass: a header of 100k tensors builds 100k of them.
-    name: str
+class TensorPlace(NamedTuple):
+    """Where one tensor lies: its file (a shard name, relative to the model or output folder),
+    dtype, shape and absolute byte range in that file. The one record of a tensor's place, for
+    inputs and outputs alike; a tuple, as a header of 100k tensors builds 100k of them."""
+
+    file: str
     dtype: str
     shape: tuple[int, ...]
-    start: int  # absolute byte offset in the file
+    start: int
     end: int
 
     @property
@@ -72,6 +75,10 @@ class TensorInfo(NamedTuple):
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+# In C: TensorPlace's own __new__ is a Python function, a call per tensor.
+make_place = partial(tuple.__new__, TensorPlace)
 
 
 def header_length(prefix: bytes, file_size: int, source: str) -> int:
@@ -204,22 +211,23 @@ def _first_problem(names: list[str], columns: Columns, rules: list[_Rule]) -> st
     return f"tensor {names[lo]!r}: {rule.problem(*(c[0] for c in one))}"
 
 
-def _first_overlap(tensors: list[TensorInfo]) -> tuple[TensorInfo, TensorInfo] | None:
+def _first_overlap(names: list[str], starts: list[int], ends: list[int]) -> tuple[str, str] | None:
     """Two tensors whose byte ranges overlap (the first such neighbours in file order), if any."""
-    if len(tensors) < 2:
+    if len(names) < 2:
         return None
-    starts = np.fromiter(map(itemgetter(3), tensors), dtype=np.int64, count=len(tensors))
-    ends = np.fromiter(map(itemgetter(4), tensors), dtype=np.int64, count=len(tensors))
-    order = np.lexsort((ends, starts))
-    clash = np.flatnonzero(starts[order[1:]] < ends[order[:-1]])
+    lo = np.fromiter(starts, dtype=np.int64, count=len(names))
+    hi = np.fromiter(ends, dtype=np.int64, count=len(names))
+    order = np.lexsort((hi, lo))
+    clash = np.flatnonzero(lo[order[1:]] < hi[order[:-1]])
     if clash.size == 0:
         return None
     i = int(clash[0])
-    return tensors[order[i]], tensors[order[i + 1]]
+    return names[order[i]], names[order[i + 1]]
 
 
-def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorInfo], dict]:
-    """Tensors of one file, with absolute byte ranges, validated against the file size.
+def parse_header(raw: bytes, file_size: int, source: str, file: str = "") -> tuple[dict[str, TensorPlace], dict]:
+    """The tensors of one file (`file`: its name, as the places record it), by name in header
+    order, with absolute byte ranges validated against the file size; and the metadata.
 
     One parse keeps every object as its pairs (object_pairs_hook=tuple, in C), so a key given
     twice is found wherever it is; each rule (_rules) is then checked on all entries at once,
@@ -246,15 +254,13 @@ def parse_header(raw: bytes, file_size: int, source: str) -> tuple[list[TensorIn
         raise BadInput(f"{source}: {_first_problem(names, columns, rules)}")
     dtypes, shapes, offsets = columns
     bounds = list(chain.from_iterable(offsets))
-    starts, ends = map(data_start.__add__, bounds[0::2]), map(data_start.__add__, bounds[1::2])
-    # tuple.__new__ through partial: the tuples are built in C (TensorInfo's own __new__ is a
-    # Python function, a call per tensor).
-    tensors = list(map(partial(tuple.__new__, TensorInfo), zip(names, dtypes, map(tuple, shapes), starts, ends)))
-    overlap = _first_overlap(tensors)
+    starts = list(map(data_start.__add__, bounds[0::2]))
+    ends = list(map(data_start.__add__, bounds[1::2]))
+    overlap = _first_overlap(names, starts, ends)
     if overlap is not None:
-        a, b = overlap
-        raise BadInput(f"{source}: tensors {a.name!r} and {b.name!r} overlap")
-    return tensors, metadata
+        raise BadInput(f"{source}: tensors {overlap[0]!r} and {overlap[1]!r} overlap")
+    places = map(make_place, zip(repeat(file), dtypes, map(tuple, shapes), starts, ends))
+    return dict(zip(names, places)), metadata
 
 
 def build_header(entries: list[tuple[str, str, tuple[int, ...]]]) -> tuple[bytes, list[tuple[int, int]]]:

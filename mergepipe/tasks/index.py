@@ -51,7 +51,7 @@ def stats_cache_key(context, parameters: dict) -> str:
 @declare_task("compute-block-stats", cache_key_fn=stats_cache_key, **STORAGE_RETRIES)
 def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
     ledger = ByteLedger()
-    total = sum(loc.info.nbytes for i in positions for loc in family.experts[i].tensors.values())
+    total = sum(loc.nbytes for i in positions for loc in family.experts[i].tensors.values())
     rep = progress.reporter()
     rep.start("index", total, "B")
     try:
