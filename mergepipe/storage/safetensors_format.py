@@ -92,31 +92,21 @@ def header_length(prefix: bytes, file_size: int, source: str) -> int:
     return n
 
 
-def _twice(pairs: tuple) -> str | None:
-    """The first key given twice in one JSON object (parsed as its pairs), if any."""
-    if len(dict(pairs)) == len(pairs):
-        return None
-    seen: set[str] = set()
-    for k, _ in pairs:
-        if k in seen:
-            return k
-        seen.add(k)
-    return None
+class _KeyTwice(Exception):
+    """A JSON object gives a key twice (json.loads alone keeps the last, silently)."""
 
 
-def _as_dict(value: object, source: str) -> object:
-    """A parsed JSON value with its objects (pairs) as dicts, refusing a key given twice."""
-    if type(value) is tuple:
-        dup = _twice(value)
-        if dup is not None:
-            raise BadInput(f"{source}: {dup!r} appears twice in the header (a key given twice)")
-        return {k: _as_dict(v, source) for k, v in value}
-    if type(value) is list:
-        return [_as_dict(v, source) for v in value]
-    return value
+def _object(pairs: list) -> dict:
+    """json.loads' object_pairs_hook: each object as a dict, refusing a key given twice."""
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        raise _KeyTwice(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return obj
 
 
-_KEYS = ("dtype", "shape", "data_offsets")  # as safetensors writes them
+_KEYS = ("dtype", "shape", "data_offsets")  # an entry's keys
+_KEY_SET = dict.fromkeys(_KEYS).keys()
 _ITEMSIZE = {name: d.itemsize for name, d in DTYPES.items()}
 
 # An entry's three values, as columns over the entries: dtypes, shapes, data_offsets.
@@ -124,25 +114,12 @@ Columns = tuple[list, list, list]
 
 
 def _columns(values: list, names: list[str], source: str) -> Columns:
-    """The entries' values as columns. Each entry must be an object with exactly the three
-    keys, each given once; in the order safetensors writes them the columns are cut from the
-    pairs in C, in any other order each entry is read as a dict."""
-    n = len(values)
-    if set(map(type, values)) <= {tuple} and set(map(len, values)) <= {3}:
-        pairs = list(chain.from_iterable(values))
-        if list(map(itemgetter(0), pairs)) == list(_KEYS) * n:
-            flat = list(map(itemgetter(1), pairs))
-            return flat[0::3], flat[1::3], flat[2::3]
-    columns: Columns = ([], [], [])
-    for name, value in zip(names, values):
-        if type(value) is tuple and (dup := _twice(value)) is not None:
-            raise BadInput(f"{source}: {dup!r} appears twice in the header (a key given twice)")
-        if type(value) is not tuple or set(dict(value)) != set(_KEYS):
-            raise BadInput(f"{source}: tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
-        entry = dict(value)
-        for column, key in zip(columns, _KEYS):
-            column.append(entry[key])
-    return columns
+    """The entries' values as columns; each entry must be an object of exactly the three keys."""
+    if set(map(type, values)) <= {dict} and all(map(_KEY_SET.__eq__, map(dict.keys, values))):
+        dtypes, shapes, offsets = (list(map(itemgetter(k), values)) for k in _KEYS)
+        return dtypes, shapes, offsets
+    name = next(n for n, v in zip(names, values) if type(v) is not dict or v.keys() != _KEY_SET)
+    raise BadInput(f"{source}: tensor {name!r}: entry must have exactly dtype, shape and data_offsets")
 
 
 def _ints(values) -> bool:
@@ -229,21 +206,20 @@ def parse_header(raw: bytes, file_size: int, source: str, file: str = "") -> tup
     """The tensors of one file (`file`: its name, as the places record it), by name in header
     order, with absolute byte ranges validated against the file size; and the metadata.
 
-    One parse keeps every object as its pairs (object_pairs_hook=tuple, in C), so a key given
-    twice is found wherever it is; each rule (_rules) is then checked on all entries at once,
-    and only where one fails is the first culprit looked for, to be named."""
+    One parse, whose hook refuses a key given twice wherever it is; each rule (_rules) is then
+    checked on all entries at once, and only where one fails is the first culprit looked for,
+    to be named."""
     try:
-        top = json.loads(raw, object_pairs_hook=tuple)
+        header = json.loads(raw, object_pairs_hook=_object)
+    except _KeyTwice as err:
+        raise BadInput(f"{source}: {err.args[0]!r} appears twice in the header (a key given twice)") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
         raise BadInput(f"{source}: header is not valid JSON ({err})") from None
     except RecursionError:
         raise BadInput(f"{source}: header is not valid JSON (nested too deeply)") from None
-    if type(top) is not tuple:
+    if type(header) is not dict:
         raise BadInput(f"{source}: header is not a JSON object")
-    header = dict(top)
-    if len(header) != len(top):
-        raise BadInput(f"{source}: {_twice(top)!r} appears twice in the header (a key given twice)")
-    metadata = _as_dict(header.pop("__metadata__", None) or {}, source)
+    metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise BadInput(f"{source}: __metadata__ must be a JSON object")
     names = list(header)
