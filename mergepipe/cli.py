@@ -33,7 +33,12 @@ app.add_typer(catalog_app, name="catalog")
 out_console = Console(soft_wrap=True)
 err_console = Console(stderr=True, soft_wrap=True)
 
-CatalogOpt = typer.Option(None, "--catalog", help="Catalog file (default: $MERGEPIPE_HOME/catalog.duckdb).")
+CatalogOpt = typer.Option(
+    None,
+    "--catalog",
+    help="Catalog: a DuckDB file (default: $MERGEPIPE_HOME/catalog.duckdb) or a shared "
+    "postgresql://user@host:port/dbname (its password from PGPASSWORD, ~/.pgpass or the URL).",
+)
 JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of tables.")
 BudgetOpt = typer.Option(
     None, help="Expert bytes to read, always with a unit: a share (10%) or bytes (512MiB, 2GB, 4096B)."
@@ -117,8 +122,17 @@ def _request(config: str, **kwargs: Any):
     return build_request(config, **kwargs)
 
 
-def _catalog(catalog: Optional[Path]) -> Optional[str]:
-    return str(catalog) if catalog else None
+def _catalog(catalog: Optional[str]) -> Optional[str]:
+    """--catalog as the flows receive it. A password in a PostgreSQL URL moves to this process's
+    PGPASSWORD, which libpq reads, so that no flow parameter (kept by a Prefect server) holds it."""
+    if not catalog:
+        return None
+    from mergepipe.config.environment import parse_catalog
+
+    location = parse_catalog(catalog)
+    if location.password is not None:
+        os.environ["PGPASSWORD"] = location.password
+    return str(location)
 
 
 def _mib(n: int | float) -> str:
@@ -153,7 +167,7 @@ def _print_merge(result: dict, title: str) -> None:
 
 
 @app.command()
-def index(config: str = ConfigArg, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+def index(config: str = ConfigArg, catalog: Optional[str] = CatalogOpt, as_json: bool = JsonOpt) -> None:
     """Index a family: headers, then block statistics for experts not indexed yet."""
 
     def go() -> dict:
@@ -181,7 +195,7 @@ def plan(
     max_error: Optional[float] = typer.Option(None, help="Read the least that keeps the error bound below this."),
     allow_empty: bool = AllowEmptyOpt,
     memory: Optional[str] = MemoryOpt,
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Optional[str] = CatalogOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
@@ -237,7 +251,7 @@ def merge(
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     allow_empty: bool = AllowEmptyOpt,
     memory: Optional[str] = MemoryOpt,
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Optional[str] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
     as_json: bool = JsonOpt,
@@ -277,7 +291,7 @@ def sweep(
         None, help="Folder for sweep.json, sweep.md and sweep.png (default: OUT when local)."
     ),
     overwrite: bool = typer.Option(False, help="Replace existing output folders."),
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Optional[str] = CatalogOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Merge at several budgets and report bytes, seconds, bound and deviation from the full merge."""
@@ -338,7 +352,7 @@ def replay(
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),
     overwrite: bool = typer.Option(False, help="Replace an existing output folder."),
     memory: Optional[str] = MemoryOpt,
-    catalog: Optional[Path] = CatalogOpt,
+    catalog: Optional[str] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
     as_json: bool = JsonOpt,
@@ -399,14 +413,14 @@ def verify(out: str = typer.Argument(..., help="Output folder or s3:// prefix.")
 
 
 @catalog_app.command("sql")
-def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+def catalog_sql(query: str, catalog: Optional[str] = CatalogOpt, as_json: bool = JsonOpt) -> None:
     """Run a read-only SQL query on the catalog."""
 
     def go():
         from mergepipe.catalog.records import query_readonly
-        from mergepipe.config.environment import catalog_path
+        from mergepipe.config.environment import catalog_location
 
-        return query_readonly(query, catalog_path(catalog))
+        return query_readonly(query, catalog_location(_catalog(catalog)))
 
     cols, rows = run_command(go)
     if as_json:
@@ -422,14 +436,14 @@ def catalog_sql(query: str, catalog: Optional[Path] = CatalogOpt, as_json: bool 
 
 
 @catalog_app.command("schema")
-def catalog_schema(catalog: Optional[Path] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+def catalog_schema(catalog: Optional[str] = CatalogOpt, as_json: bool = JsonOpt) -> None:
     """List the catalog's tables and views, their columns, and what each one means."""
 
     def go():
         from mergepipe.catalog.records import describe_schema
-        from mergepipe.config.environment import catalog_path
+        from mergepipe.config.environment import catalog_location
 
-        return describe_schema(catalog_path(catalog))
+        return describe_schema(catalog_location(_catalog(catalog)))
 
     relations = run_command(go)
     if as_json:

@@ -4,6 +4,14 @@
 # of several GB. Set MERGEPIPE_TORCH to choose another torch requirement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# The shared-catalog tests start a PostgreSQL server of their own (Debian's postgresql package).
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && ! command -v initdb >/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+    else
+        echo "note: PostgreSQL not found; the shared-catalog tests need it (apt-get install postgresql)" >&2
+    fi
+fi
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv

@@ -153,3 +153,21 @@ def prefect_server(session_dir):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server on loopback, started on first use, once per test session."""
+    from .postgres_server import PostgresServer
+
+    server = PostgresServer()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def pg_catalog(postgres) -> str:
+    """A shared catalog in a database of its own: postgresql://…"""
+    return postgres.new_database()

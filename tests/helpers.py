@@ -79,16 +79,14 @@ CATALOG_INVARIANTS = {
 }
 
 
-def catalog_problems(path: Path) -> list[str]:
-    import duckdb
+def catalog_problems(where: Path | str) -> list[str]:
+    """What breaks the invariants in a catalog file or a shared catalog (postgresql://…)."""
+    from mergepipe.catalog import db
 
-    if not Path(path).exists():
+    if "://" not in str(where) and not Path(where).exists():
         return []
-    con = duckdb.connect(str(path), read_only=True)
-    try:
+    with db.connect(where, read_only=True) as con:
         return [f"{what}: {rows[:3]}" for what, q in CATALOG_INVARIANTS.items() if (rows := con.execute(q).fetchall())]
-    finally:
-        con.close()
 
 
 def evict(path: Path) -> None:

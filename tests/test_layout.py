@@ -12,12 +12,14 @@ ROOT = Path(mergepipe.__file__).parent
 
 # Each package and what it may import of ours (besides itself, errors and the package face).
 # cli → flows → tasks → publish → execute → plan → index → config, all over operators, storage
-# and catalog, which import none of the stages; devtools is for the demo, tests and benchmarks.
+# and catalog, which import none of the stages (but the catalog config's types: DESIGN); devtools
+# is for the demo, tests and benchmarks.
 STAGES = ["config", "index", "plan", "execute", "publish", "tasks", "flows"]
 BENEATH = {"operators": set(), "storage": set(), "catalog": set(), "devtools": set()}
 for i, stage in enumerate(STAGES):
     BENEATH[stage] = set(STAGES[:i]) | {"operators", "storage", "catalog"}
 BENEATH["config"] = {"operators", "storage"}
+BENEATH["catalog"] = {"config"}  # its location: a CatalogLocation
 BENEATH["cli"] = set(STAGES) | {"operators", "storage", "catalog", "devtools"}
 ALWAYS = {"errors", "__init__"}
 

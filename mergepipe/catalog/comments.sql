@@ -1,5 +1,5 @@
 -- What every table, view and column means: `mergepipe catalog schema` prints these comments.
--- Run after schema.sql each time the catalog is opened for writing, so they follow the schema.
+-- Run after schema.sql and views.sql each time the catalog is opened for writing, so they follow the schema.
 COMMENT ON TABLE models IS 'one row per model as found: its location and the fingerprint of its files';
 COMMENT ON COLUMN models.model_fp IS 'fingerprint of the location and its files (changes when a file changes)';
 COMMENT ON COLUMN models.uri IS 'the model folder or s3:// prefix';
@@ -152,3 +152,11 @@ COMMENT ON COLUMN merge_history.wall_seconds IS 'wall time in seconds';
 COMMENT ON TABLE catalog_meta IS 'facts about the catalog itself, such as its schema version';
 COMMENT ON COLUMN catalog_meta.key IS 'what: schema_version, or schema_sha256 (the digest of the schema statements a connection last ran)';
 COMMENT ON COLUMN catalog_meta.value IS 'its value';
+
+COMMENT ON TABLE index_claims IS 'experts being indexed now, one client each; the row goes when their statistics land';
+COMMENT ON COLUMN index_claims.base_fp IS 'the base (models.model_fp)';
+COMMENT ON COLUMN index_claims.expert_fp IS 'the expert being indexed (models.model_fp once indexed)';
+COMMENT ON COLUMN index_claims.block_size IS 'block size in bytes';
+COMMENT ON COLUMN index_claims.owner IS 'the claiming process: host, pid and a random part';
+COMMENT ON COLUMN index_claims.claimed_at IS 'when it was claimed';
+COMMENT ON COLUMN index_claims.heartbeat_at IS 'last sign of life; older than MERGEPIPE_CLAIM_STALE_SECONDS and another client takes it over';

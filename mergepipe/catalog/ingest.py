@@ -6,7 +6,7 @@ from __future__ import annotations
 import duckdb
 import pyarrow as pa
 
-from mergepipe.catalog.db import transaction
+from mergepipe.catalog.db import write
 
 
 def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
@@ -30,8 +30,8 @@ def _insert_models(con: duckdb.DuckDBPyConnection) -> None:
         holder[name_of[uri]] = uri
     chosen = [(name_of[uri], fp) for fp, uri, _ in new]
     con.executemany(
-        "INSERT OR IGNORE INTO models (model_fp, uri, name, n_tensors, tensor_bytes) "
-        "SELECT model_fp, uri, ?, n_tensors, tensor_bytes FROM new_models WHERE model_fp = ? LIMIT 1",
+        "INSERT OR IGNORE INTO models (model_fp, uri, name, n_tensors, tensor_bytes, registered_at) "
+        "SELECT model_fp, uri, ?, n_tensors, tensor_bytes, current_timestamp FROM new_models WHERE model_fp = ? LIMIT 1",
         chosen,
     )
     _insert_files_and_tensors(con)
@@ -83,33 +83,47 @@ def ingest_stats(
     transaction, with the base's block layout and their stat_sets rows (an expert with no float
     blocks still gets one, so it counts as indexed). A pass that fails before this leaves the
     catalog as it was."""
-    with transaction(con, new_models=models, new_files=files, new_tensors=tensors, new_stats=stats, new_blocks=blocks):
-        _insert_models(con)
-        con.execute(
-            "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes, base_sq "
-            "FROM new_blocks",
-            [base_fp, block_size],
-        )
-        # A layout from before schema 3 gains its base energies from this pass.
-        con.execute(
-            "UPDATE blocks SET base_sq = n.base_sq FROM new_blocks n WHERE blocks.base_fp = ? AND blocks.block_size = ? "
-            "AND blocks.tensor = n.tensor AND blocks.block = n.block AND blocks.base_sq IS NULL",
-            [base_fp, block_size],
-        )
-        con.execute(
-            "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? AND list_contains(?, expert_fp)",
-            [base_fp, block_size, expert_fps],
-        )
-        con.execute(
-            "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, "
-            "bytes, delta_sq, max_abs_delta, nnz_delta, content_hash FROM new_stats",
-            [base_fp, block_size],
-        )
-        for fp, digest in content.items():
-            con.execute("UPDATE models SET content_sha256 = ? WHERE model_fp = ?", [digest, fp])
-        con.execute(
-            "INSERT OR REPLACE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq) "
-            "SELECT ?, e.fp, ?, count(s.expert_fp), coalesce(sum(s.bytes), 0), coalesce(sum(s.delta_sq), 0) "
-            "FROM (SELECT unnest(?::VARCHAR[]) AS fp) e LEFT JOIN new_stats s ON s.expert_fp = e.fp GROUP BY e.fp",
-            [base_fp, block_size, expert_fps],
-        )
+    write(
+        con,
+        lambda: _ingest(con, base_fp, block_size, expert_fps, content),
+        new_models=models,
+        new_files=files,
+        new_tensors=tensors,
+        new_stats=stats,
+        new_blocks=blocks,
+    )
+
+
+def _ingest(
+    con: duckdb.DuckDBPyConnection, base_fp: str, block_size: int, expert_fps: list[str], content: dict
+) -> None:
+    _insert_models(con)
+    con.execute(
+        "INSERT OR IGNORE INTO blocks SELECT ?, ?, tensor, block, layer, row_start, row_end, base_bytes, base_sq "
+        "FROM new_blocks",
+        [base_fp, block_size],
+    )
+    # A layout from before schema 3 gains its base energies from this pass.
+    con.execute(
+        "UPDATE blocks SET base_sq = n.base_sq FROM new_blocks n WHERE blocks.base_fp = ? AND blocks.block_size = ? "
+        "AND blocks.tensor = n.tensor AND blocks.block = n.block AND blocks.base_sq IS NULL",
+        [base_fp, block_size],
+    )
+    con.execute(
+        "DELETE FROM block_stats WHERE base_fp = ? AND block_size = ? AND list_contains(?, expert_fp)",
+        [base_fp, block_size, expert_fps],
+    )
+    con.execute(
+        "INSERT INTO block_stats SELECT ?, expert_fp, ?, tensor, block, "
+        "bytes, delta_sq, max_abs_delta, nnz_delta, content_hash FROM new_stats",
+        [base_fp, block_size],
+    )
+    for fp, digest in content.items():
+        con.execute("UPDATE models SET content_sha256 = ? WHERE model_fp = ?", [digest, fp])
+    con.execute(
+        "INSERT OR REPLACE INTO stat_sets (base_fp, expert_fp, block_size, n_blocks, bytes, delta_sq, indexed_at) "
+        "SELECT ?, e.fp, ?, count(s.expert_fp), coalesce(sum(s.bytes), 0), coalesce(sum(s.delta_sq), 0), "
+        "current_timestamp "
+        "FROM (SELECT unnest(?::VARCHAR[]) AS fp) e LEFT JOIN new_stats s ON s.expert_fp = e.fp GROUP BY e.fp",
+        [base_fp, block_size, expert_fps],
+    )

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import duckdb
 import pyarrow as pa
 
-from mergepipe.catalog.db import connect, sql_text, transaction
+from mergepipe.catalog.db import as_location, connect, reference_schema, sql_text, write
+from mergepipe.config.environment import CatalogLocation
 from mergepipe.errors import BadInput
 
 
@@ -16,22 +19,25 @@ def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict
     tables = dict(
         new_plan=pa.Table.from_pylist([plan_row]), new_plan_experts=pa.Table.from_pylist(experts), new_access=access
     )
-    with transaction(con, **tables):
-        if con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_row["plan_digest"]]).fetchall():
-            return
-        con.execute(
-            "INSERT INTO plans (plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, "
-            "full_expert_bytes, planned_bytes, error_bound, bound_guaranteed, n_pairs) "
-            "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
-            "planned_bytes, error_bound, bound_guaranteed, n_pairs FROM new_plan"
-        )
-        con.execute(
-            "INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts"
-        )
-        con.execute(
-            "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
-            [plan_row["plan_digest"]],
-        )
+    write(con, lambda: _insert_plan(con, plan_row["plan_digest"]), **tables)
+
+
+def _insert_plan(con: duckdb.DuckDBPyConnection, plan_digest: str) -> None:
+    if con.execute("SELECT 1 FROM plans WHERE plan_digest = ?", [plan_digest]).fetchall():
+        return
+    con.execute(
+        "INSERT INTO plans (plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, "
+        "full_expert_bytes, planned_bytes, error_bound, bound_guaranteed, n_pairs, created_at) "
+        "SELECT plan_digest, base_fp, block_size, merge_method, budget, budget_bytes, full_expert_bytes, "
+        "planned_bytes, error_bound, bound_guaranteed, n_pairs, current_timestamp FROM new_plan"
+    )
+    con.execute(
+        "INSERT INTO plan_experts SELECT plan_digest, expert, expert_fp, coefficient, planned_bytes FROM new_plan_experts"
+    )
+    con.execute(
+        "INSERT INTO access_sets SELECT ?, expert, tensor, block, bytes, score FROM new_access",
+        [plan_digest],
+    )
 
 
 def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, block_size: int) -> list[dict]:
@@ -44,24 +50,46 @@ def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, bloc
 
 def record_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) -> None:
     """A finished run and its manifest, in one transaction (never a run without its manifest)."""
-    with transaction(con, new_run=pa.Table.from_pylist([run])):
-        con.execute(
-            "INSERT OR REPLACE INTO runs (run_id, kind, plan_digest, merge_digest, out_uri, started_at, finished_at, "
-            "wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
-            "output_bytes_written, flow_run_id) SELECT run_id, kind, plan_digest, merge_digest, out_uri, started_at, "
-            "finished_at, wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
-            "output_bytes_written, flow_run_id FROM new_run"
-        )
-        con.execute(
-            "INSERT OR REPLACE INTO manifests (merge_digest, out_uri, manifest_json) VALUES (?, ?, ?)",
-            [run["merge_digest"], run["out_uri"], manifest_json],
-        )
+    write(con, lambda: _insert_run(con, run, manifest_json), new_run=pa.Table.from_pylist([run]))
 
 
-def describe_schema(path: str | Path) -> list[dict]:
+def _insert_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) -> None:
+    con.execute(
+        "INSERT OR REPLACE INTO runs (run_id, kind, plan_digest, merge_digest, out_uri, started_at, finished_at, "
+        "wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
+        "output_bytes_written, flow_run_id) SELECT run_id, kind, plan_digest, merge_digest, out_uri, started_at, "
+        "finished_at, wall_seconds, expert_bytes_planned, expert_bytes_read, base_bytes_read, header_bytes_read, "
+        "output_bytes_written, flow_run_id FROM new_run"
+    )
+    con.execute(
+        "INSERT OR REPLACE INTO manifests (merge_digest, out_uri, manifest_json, created_at) "
+        "VALUES (?, ?, ?, current_timestamp)",
+        [run["merge_digest"], run["out_uri"], manifest_json],
+    )
+
+
+@contextmanager
+def _described(where: CatalogLocation | str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
+    """A DuckDB file describes itself; a shared catalog is checked to exist and be reachable,
+    then described by this version's reference schema (its connections refuse any other)."""
+    location = as_location(where)
+    if not location.shared:
+        with connect(location, read_only=True) as con:
+            yield con
+        return
+    with connect(location, read_only=True):
+        pass
+    con = reference_schema()
+    try:
+        yield con
+    finally:
+        con.close()
+
+
+def describe_schema(where: CatalogLocation | str | Path) -> list[dict]:
     """The catalog's tables and views, each with its meaning and its columns (name, type,
     meaning), from the comments comments.sql sets."""
-    with connect(path, read_only=True) as con:
+    with _described(where) as con:
         relations = con.execute(
             "SELECT 'table' AS kind, table_name AS name, coalesce(comment, '') FROM duckdb_tables() WHERE NOT internal "
             "UNION ALL SELECT 'view', view_name, coalesce(comment, '') FROM duckdb_views() WHERE NOT internal "
@@ -80,10 +108,10 @@ def describe_schema(path: str | Path) -> list[dict]:
     ]
 
 
-def query_readonly(query: str, path: str | Path) -> tuple[list[str], list[tuple]]:
+def query_readonly(query: str, where: CatalogLocation | str | Path) -> tuple[list[str], list[tuple]]:
     """Run a query on a read-only connection: the catalog cannot be changed through it. A query
     DuckDB refuses is bad input."""
-    with connect(path, read_only=True) as con:
+    with connect(where, read_only=True) as con:
         try:
             rel = con.execute(query)
         except duckdb.Error as err:

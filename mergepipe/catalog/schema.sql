@@ -137,43 +137,15 @@ CREATE TABLE IF NOT EXISTS manifests (
     PRIMARY KEY (merge_digest, out_uri)
 );
 
--- Everyday questions -------------------------------------------------------------------------
-
--- Delta energy per expert per layer (per indexed base and block size).
-CREATE OR REPLACE VIEW delta_energy_by_layer AS
-SELECT m.name AS expert, b.layer, s.block_size,
-       sum(s.delta_sq) AS delta_energy,
-       sqrt(sum(s.delta_sq)) AS delta_norm,
-       sum(s.bytes) AS bytes,
-       count(*) FILTER (WHERE s.nnz_delta > 0) AS changed_blocks,
-       count(*) AS blocks,
-       m.uri AS expert_uri
-FROM block_stats s
-JOIN stat_sets ss USING (base_fp, expert_fp, block_size)
-JOIN blocks b USING (base_fp, block_size, tensor, block)
-JOIN models m ON m.model_fp = s.expert_fp
-GROUP BY ALL;
-
--- Which tensors does each expert change, and by how much.
-CREATE OR REPLACE VIEW changed_tensors AS
-SELECT m.name AS expert, s.tensor, b.layer, s.block_size,
-       sqrt(sum(s.delta_sq)) AS delta_norm,
-       max(s.max_abs_delta) AS max_abs_delta,
-       sum(s.nnz_delta) AS changed_elements,
-       sum(s.bytes) AS bytes,
-       m.uri AS expert_uri
-FROM block_stats s
-JOIN stat_sets ss USING (base_fp, expert_fp, block_size)
-JOIN blocks b USING (base_fp, block_size, tensor, block)
-JOIN models m ON m.model_fp = s.expert_fp
-GROUP BY ALL
-HAVING sum(s.nnz_delta) > 0;
-
--- Every merge with its plan and realized bytes.
-CREATE OR REPLACE VIEW merge_history AS
-SELECT r.finished_at, r.kind, r.out_uri, r.merge_digest, p.merge_method, p.budget,
-       (SELECT list(coalesce(m.name, m.uri) ORDER BY e.expert)
-        FROM plan_experts e JOIN models m ON m.model_fp = e.expert_fp
-        WHERE e.plan_digest = r.plan_digest) AS experts,
-       r.expert_bytes_planned, r.expert_bytes_read, p.full_expert_bytes, p.error_bound, r.wall_seconds
-FROM runs r JOIN plans p USING (plan_digest);
+-- Who is indexing what: a client claims the (base, expert, block size) triples it is about to
+-- index, so that clients starting at once index each expert once; the others wait for its
+-- stat_sets rows. A claim whose heartbeat stopped (its process died) is taken over.
+CREATE TABLE IF NOT EXISTS index_claims (
+    base_fp       VARCHAR NOT NULL,
+    expert_fp     VARCHAR NOT NULL,
+    block_size    BIGINT NOT NULL,
+    owner         VARCHAR NOT NULL,
+    claimed_at    TIMESTAMP NOT NULL,
+    heartbeat_at  TIMESTAMP NOT NULL,
+    PRIMARY KEY (base_fp, expert_fp, block_size)
+);

@@ -10,7 +10,7 @@ from datetime import date, datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mergepipe.config.environment import catalog_path, default_memory
+from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
 from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import MergeSpec, check_parameters, load_spec
 from mergepipe.errors import BadInput
@@ -46,7 +46,7 @@ class MergeRequest:
 
     spec: MergeSpec
     config: str | None
-    catalog: Path
+    catalog: CatalogLocation
     out: str | None = None
     overwrite: bool = False
     runner: Runner = Runner()
@@ -118,5 +118,5 @@ def build_request(
     if memory_bytes is None:
         memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()
     return MergeRequest(
-        spec, location, catalog_path(catalog), destination, overwrite, resolved_runner, memory_bytes, given
+        spec, location, catalog_location(catalog), destination, overwrite, resolved_runner, memory_bytes, given
     )

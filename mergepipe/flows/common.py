@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from mergepipe import torch
-from mergepipe.config.environment import results_dir, worker_count
+from mergepipe.config.environment import CatalogLocation, results_dir, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.errors import BadInput, MergepipeError
@@ -25,7 +25,7 @@ from mergepipe.flows.orchestration import call_with_retries, in_process, run_tas
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.first_merge import check_recorded_plan, count_unchanged_as_index, tap_stats
-from mergepipe.index.stats import first_nonfinite
+from mergepipe.index.stats import StatsResult, first_nonfinite
 from mergepipe.plan import saved
 from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
@@ -36,7 +36,14 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import freeze_long_lived
-from mergepipe.tasks.index import compute_block_stats, ingest_block_stats, look_up_family, read_family_headers
+from mergepipe.tasks.index import (
+    claiming,
+    compute_block_stats,
+    ingest_block_stats,
+    look_up_family,
+    read_family_headers,
+    wait_for_others,
+)
 from mergepipe.tasks.merge import finish_output, publish_output, record_run, stage_output
 from mergepipe.tasks.plan import plan_merge
 
@@ -72,7 +79,7 @@ class IndexOutcome:
     deferred: bool = False
 
 
-def run_index(spec: MergeSpec, catalog: Path, *, first_merge: bool = False) -> IndexOutcome:
+def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = False) -> IndexOutcome:
     """Read the headers and index the experts the catalog lacks. With first_merge (a merge),
     experts not yet indexed are left to the merge when its plan reads every block anyway
     (plan.choose.reads_every_block): it indexes them from the bytes it reads, so no expert byte
@@ -96,25 +103,54 @@ def run_index(spec: MergeSpec, catalog: Path, *, first_merge: bool = False) -> I
             seen.add(fp)
     if missing and first_merge and reads_every_block(spec, family):
         return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0, deferred=True)
-    # A catalog from before schema 3 lacks the base's block energies: a plan ranked on them
-    # reads the base once more (and no expert) to fill them in.
-    if missing or family.base_fp not in content or (spec.rank_by_needs_base and not energies):
-        if in_process():
-            result, rows = call_with_retries(compute_block_stats, family, missing, bs)
-            ledger.merge(rows)
-        else:
-            state = compute_block_stats.prefect.with_options(result_storage=results_dir())(
-                family, missing, bs, return_state=True
-            )
-            result, rows = state.result()
-            if state.name != "Cached":  # a cached pass read nothing now
-                ledger.merge(rows)
+    indexed: list[int] = []
+
+    def index_pass(positions: list[int]) -> None:
+        nonlocal content, energies
+        result = _block_stats(family, positions, bs, ledger)
         problem = None if spec.allow_nonfinite else first_nonfinite(result, family)
         if problem:  # refused before ingestion: bad input leaves the catalog as it was
             raise BadInput(problem)
-        run_task(ingest_block_stats, family, missing, bs, result, catalog)
+        run_task(ingest_block_stats, family, positions, bs, result, catalog)
         content = {**content, **result.content}
-    return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0)
+        energies = True  # a pass records the base's block energies too
+        indexed.extend(positions)
+
+    # Each missing expert is claimed first: one that another client is indexing now is waited
+    # for and its statistics read from the catalog; one whose client died is indexed here.
+    todo, waited = missing, False
+    while todo:
+        with claiming(catalog, family, todo, bs) as (mine, others):
+            if mine:
+                index_pass(mine)
+        todo = wait_for_others(catalog, family, others, bs) if others else []
+        waited = waited or bool(others)
+    if waited:
+        known, content, energies = run_task(look_up_family, family, bs, catalog)
+        fps = family.expert_fps()
+        unknown = [i for i in missing if fps[i] not in known or fps[i] not in content]
+        if unknown:  # indexed by a client that recorded less than this one needs
+            index_pass(unknown)
+    # A catalog from before schema 3 lacks the base's block energies: a plan ranked on them
+    # reads the base once more (and no expert) to fill them in.
+    if family.base_fp not in content or (spec.rank_by_needs_base and not energies):
+        index_pass([])
+    return IndexOutcome(family, content, indexed, ledger, time.perf_counter() - t0)
+
+
+def _block_stats(family: Family, positions: list[int], block_size: int, ledger: ByteLedger) -> StatsResult:
+    """The statistics pass over these experts (and the base), its reads counted in `ledger`."""
+    if in_process():
+        result, rows = call_with_retries(compute_block_stats, family, positions, block_size)
+        ledger.merge(rows)
+        return result
+    state = compute_block_stats.prefect.with_options(result_storage=results_dir())(
+        family, positions, block_size, return_state=True
+    )
+    result, rows = state.result()
+    if state.name != "Cached":  # a cached pass read nothing now
+        ledger.merge(rows)
+    return result
 
 
 def flow_run_id() -> str | None:

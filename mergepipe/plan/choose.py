@@ -3,12 +3,11 @@ budget (or the error target) allows, and assemble the plan; the plan is recorded
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 
 from mergepipe.catalog import db, planner, records
+from mergepipe.config.environment import CatalogLocation
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.index.blocks import block_rows, row_elems
@@ -70,7 +69,7 @@ def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: l
 
 
 def choose_plan(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, *, refuse_empty: bool = True
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, *, refuse_empty: bool = True
 ) -> tuple[Plan, list[dict], list[str]]:
     """The plan, its explain rows (per layer and expert: bytes selected, energy captured) and its
     warnings. A byte budget that admits no expert block is refused (refuse_empty, as a merge
@@ -163,7 +162,7 @@ def reads_every_block(spec: MergeSpec, family: Family) -> bool:
 
 
 def full_read_plan(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, unindexed: list[int]
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, unindexed: list[int]
 ) -> Plan:
     """The plan of a first merge that indexes the experts at positions `unindexed` (and any
     position listing the same files) on the way: every block of theirs, and what the full

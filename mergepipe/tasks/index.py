@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from contextlib import contextmanager
 
-from mergepipe.catalog import db, ingest
+from mergepipe.catalog import claims, db, ingest
+from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
 from mergepipe.index.family import Family, load_family
 from mergepipe.index.stats import STATS_FORMAT, StatsResult, compute_stats
 from mergepipe.index.tables import model_tables
@@ -13,6 +20,8 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
+
+log = logging.getLogger("mergepipe.index")
 
 
 @declare_task("read-family-headers", **STORAGE_RETRIES)
@@ -24,7 +33,7 @@ def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, 
 
 
 @declare_task("look-up-family")
-def look_up_family(family: Family, block_size: int, catalog: Path) -> tuple[set[str], dict[str, str], bool]:
+def look_up_family(family: Family, block_size: int, catalog: CatalogLocation) -> tuple[set[str], dict[str, str], bool]:
     """Which experts are already indexed, the known content digests, and whether the base's block
     energies are known. Writes nothing: a family is recorded only with its statistics, so a pass
     that fails leaves no trace."""
@@ -71,7 +80,7 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
 
 @declare_task("ingest-block-stats")
 def ingest_block_stats(
-    family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: Path
+    family: Family, positions: list[int], block_size: int, result: StatsResult, catalog: CatalogLocation
 ) -> None:
     with db.connect(catalog) as con:
         fps = family.expert_fps()
@@ -85,3 +94,61 @@ def ingest_block_stats(
             result.content,
             *model_tables([family.base, *family.experts]),
         )
+
+
+@contextmanager
+def claiming(catalog: CatalogLocation, family: Family, positions: list[int], block_size: int):
+    """Claim the indexing of these experts in the catalog; yields (the positions this process
+    indexes, those another live client is indexing). The claims are kept alive by a heartbeat
+    while the block runs, and released when it ends, however it ends. A DuckDB file has no
+    claims (its writers take turns, on one machine): every position is this process's."""
+    if not catalog.shared:
+        yield list(positions), []
+        return
+    owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    stale = claim_stale_seconds()
+    fps = family.expert_fps()
+    with db.connect(catalog) as con:
+        mine, others = claims.claim(con, family.base_fp, block_size, [fps[i] for i in positions], owner, stale)
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(stale / 6):
+            try:
+                with db.connect(catalog) as con:
+                    claims.heartbeat(con, owner)
+            except Exception as err:  # the next beat may get through; a claim lapses only after `stale`
+                log.warning("index claim heartbeat failed: %s", err)
+
+    beating = threading.Thread(target=beat, name="index-claim-heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield [i for i in positions if fps[i] in mine], [i for i in positions if fps[i] in others]
+    finally:
+        stop.set()
+        beating.join()
+        with db.connect(catalog) as con:
+            claims.release(con, owner)
+
+
+def wait_for_others(catalog: CatalogLocation, family: Family, positions: list[int], block_size: int) -> list[int]:
+    """Wait while other clients index these experts. Returns [] once all are indexed, or the
+    ones still unindexed whose claims lapsed (their client died): this process indexes those."""
+    fps = family.expert_fps()
+    stale, told = claim_stale_seconds(), False
+    while True:
+        with db.connect(catalog) as con:
+            done = ingest.indexed_experts(con, family.base_fp, [fps[i] for i in positions], block_size)
+            left = [i for i in positions if fps[i] not in done]
+            held = claims.live(con, family.base_fp, block_size, [fps[i] for i in left], stale) if left else {}
+        lapsed = [i for i in left if fps[i] not in held]
+        if not left or lapsed:
+            return lapsed
+        if not told:
+            who = ", ".join(sorted(set(held.values())))
+            log.info("waiting for %d expert(s) another client is indexing (%s)", len(left), who)
+            told = True
+        time.sleep(WAIT_POLL_SECONDS)
+
+
+WAIT_POLL_SECONDS = 0.5

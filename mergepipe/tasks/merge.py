@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 from mergepipe.catalog import db, records
-from mergepipe.config.environment import spool_dir
+from mergepipe.config.environment import CatalogLocation, spool_dir
 from mergepipe.config.spec import storage_options_of
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import GroupResult, merge_group
@@ -99,6 +99,6 @@ def publish_output(
 
 
 @declare_task("record-run")
-def record_run(catalog: Path, run_row: dict, manifest_json: str) -> None:
+def record_run(catalog: CatalogLocation, run_row: dict, manifest_json: str) -> None:
     with db.connect(catalog) as con:
         records.record_run(con, run_row, manifest_json)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from mergepipe.config.environment import plans_root
+from mergepipe.config.environment import CatalogLocation, plans_root
 from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
 from mergepipe.plan import saved
@@ -15,7 +13,7 @@ from mergepipe.tasks.declare import declare_task
 
 @declare_task("plan-merge")
 def plan_merge(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, refuse_empty: bool = True
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, refuse_empty: bool = True
 ) -> tuple[Plan, list[dict], str, list[str]]:
     """Returns the plan, its explain rows, the folder it was saved in, and its warnings."""
     plan, explain, warnings = choose_plan(spec, family, content, catalog, refuse_empty=refuse_empty)
@@ -24,7 +22,7 @@ def plan_merge(
 
 @declare_task("plan-first-merge")
 def plan_first_merge(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: Path, unindexed: list[int]
+    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, unindexed: list[int]
 ) -> tuple[Plan, str]:
     """The plan of a first merge that indexes on the way (plan.choose.full_read_plan), and its folder."""
     plan = full_read_plan(spec, family, content, catalog, unindexed)
