@@ -362,3 +362,27 @@ def test_clients_indexing_one_family_at_once_read_each_expert_once(pg_catalog, t
     assert len({json.dumps(r["content_sha256"], sort_keys=True) for r in results}) == 1
     assert _rows(pg_catalog, "SELECT count(*) FROM index_claims") == [(0,)]
     assert catalog_problems(pg_catalog) == []
+
+
+@pytest.mark.slow
+def test_a_write_that_another_clients_commit_invalidates_runs_again(pg_catalog):
+    """Serializable writes: B reads and writes; A reads and commits a row B's read would have
+    seen; B's COMMIT is refused (which ends B's transaction), and db.write runs B again, whose
+    second run sees A's row."""
+    insert = "INSERT INTO index_claims VALUES (?, ?, 1, ?, current_timestamp, current_timestamp)"
+    seen = []
+    with db.connect(pg_catalog) as a, db.connect(pg_catalog) as b:
+
+        def other_client():
+            a.execute("SELECT count(*) FROM index_claims").fetchall()
+            a.execute(insert, ["base", "from-a", "a"])
+
+        def body():
+            seen.append(b.execute("SELECT count(*) FROM index_claims").fetchall()[0][0])
+            b.execute(insert, ["base", "from-b", "b"])
+            if len(seen) == 1:
+                db.write(a, other_client)
+
+        db.write(b, body)
+    assert seen == [0, 1]
+    assert _rows(pg_catalog, "SELECT expert_fp FROM index_claims ORDER BY 1") == [("from-a",), ("from-b",)]

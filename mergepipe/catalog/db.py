@@ -46,11 +46,20 @@ def transaction(con: duckdb.DuckDBPyConnection, **tables) -> Iterator[duckdb.Duc
         yield con
         con.execute("COMMIT")
     except BaseException:
-        con.execute("ROLLBACK")
+        _roll_back(con)
         raise
     finally:
         for name in tables:
             con.unregister(name)
+
+
+def _roll_back(con: duckdb.DuckDBPyConnection) -> None:
+    """ROLLBACK, unless the failure was the COMMIT itself (PostgreSQL refusing a serializable
+    transaction at its end): that ended the transaction already, and the caller's error stands."""
+    try:
+        con.execute("ROLLBACK")
+    except duckdb.TransactionException:
+        pass
 
 
 def write(con: duckdb.DuckDBPyConnection, body: Callable[[], T], **tables) -> T:
@@ -221,7 +230,7 @@ def _ensure_schema_once(con: duckdb.DuckDBPyConnection, location: CatalogLocatio
         _write_schema(con, location)
         con.execute("COMMIT")
     except BaseException:
-        con.execute("ROLLBACK")
+        _roll_back(con)
         raise
 
 
