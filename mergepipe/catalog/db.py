@@ -149,8 +149,9 @@ def _open_file(path: Path, read_only: bool, timeout: float | None) -> duckdb.Duc
 
 def _open_shared(location: CatalogLocation, read_only: bool) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with the PostgreSQL database attached as `catalog` and in use.
-    PostgreSQL itself lets many writers work at once (keys and ON CONFLICT hold across them);
-    DuckDB's temporary tables (the planner's) stay in this process."""
+    PostgreSQL lets many writers work at once: its keys and serializable isolation refuse a
+    write that conflicts with another client's, and write() runs it again. DuckDB's temporary
+    tables (the planner's) stay in this process."""
     con = duckdb.connect(config={"memory_limit": "4GB"})
     try:
         load_extension(con, "postgres")
