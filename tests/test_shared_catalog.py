@@ -386,3 +386,22 @@ def test_a_write_that_another_clients_commit_invalidates_runs_again(pg_catalog):
         db.write(b, body)
     assert seen == [0, 1]
     assert _rows(pg_catalog, "SELECT expert_fp FROM index_claims ORDER BY 1") == [("from-a",), ("from-b",)]
+
+
+@pytest.mark.slow
+def test_a_shared_catalog_of_an_earlier_schema_is_upgraded_in_place(pg_catalog):
+    """The schema 3 → 4 migration (display names) on PostgreSQL, as on a DuckDB file
+    (test_indexing.test_schema_3_catalog_gains_display_names)."""
+    with db.connect(pg_catalog) as con:
+        con.execute("ALTER TABLE models DROP COLUMN name")
+        con.execute("UPDATE catalog_meta SET value = '3' WHERE key = 'schema_version'")
+        for fp, uri in [("a", "/x/run1/ckpt"), ("b", "/x/run2/ckpt"), ("c", "/x/base"), ("d", "s3://bucket/base/")]:
+            con.execute(
+                "INSERT INTO models (model_fp, uri, n_tensors, tensor_bytes, registered_at) "
+                "VALUES (?, ?, 1, 1, current_timestamp)",
+                [fp, uri],
+            )
+    with db.connect(pg_catalog) as con:
+        assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("4",)]
+        names = con.execute("SELECT model_fp, name FROM models ORDER BY model_fp").fetchall()
+    assert names == [("a", "run1/ckpt"), ("b", "run2/ckpt"), ("c", "x/base"), ("d", "bucket/base")]
