@@ -10,7 +10,7 @@ from mergepipe.plan.record import Plan
 from mergepipe.storage import plans
 
 _KEPT = 4  # plans a process keeps loaded (a first merge uses two)
-_loaded: OrderedDict[str, tuple[Plan, OutputLayout]] = OrderedDict()
+_loaded: OrderedDict[str, Plan] = OrderedDict()
 
 
 def save(plan: Plan, root: Path) -> str:
@@ -23,12 +23,13 @@ def save(plan: Plan, root: Path) -> str:
 
 
 def load(folder: str) -> tuple[Plan, OutputLayout]:
-    """A saved plan and its output layout, read once per process."""
-    if folder in _loaded:
-        _loaded.move_to_end(folder)
-        return _loaded[folder]
-    record, access = plans.load_plan(folder)
-    return _keep(folder, Plan.from_json(record, access))
+    """A saved plan, read once per process, and its output layout (output_layout_of keeps it)."""
+    plan = _loaded.get(folder)
+    if plan is None:
+        record, access = plans.load_plan(folder)
+        plan = Plan.from_json(record, access)
+    _keep(folder, plan)
+    return plan, output_layout_of(plan)
 
 
 def forget() -> None:
@@ -36,9 +37,8 @@ def forget() -> None:
     _loaded.clear()
 
 
-def _keep(folder: str, plan: Plan) -> tuple[Plan, OutputLayout]:
-    _loaded[folder] = plan, output_layout_of(plan)
+def _keep(folder: str, plan: Plan) -> None:
+    _loaded[folder] = plan
     _loaded.move_to_end(folder)
     while len(_loaded) > _KEPT:
         _loaded.popitem(last=False)
-    return _loaded[folder]

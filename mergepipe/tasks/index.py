@@ -137,7 +137,7 @@ def wait_for_others(catalog: CatalogLocation, family: Family, positions: list[in
     fps = family.expert_fps()
     stale, told = claim_stale_seconds(), False
     while True:
-        with db.connect(catalog) as con:
+        with db.connect(catalog, read_only=True) as con:  # a poll: no schema check, nothing written
             done = ingest.indexed_experts(con, family.base_fp, [fps[i] for i in positions], block_size)
             left = [i for i in positions if fps[i] not in done]
             held = claims.live(con, family.base_fp, block_size, [fps[i] for i in left], stale) if left else {}
