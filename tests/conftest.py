@@ -120,10 +120,14 @@ def session_catalog(session_dir) -> str:
 def s3(session_dir):
     """An S3 server on loopback behind the counting proxy, with a bucket `ckpt`. Clients in this
     process reach it through the usual AWS environment variables."""
-    from .s3_server import S3Server
+    from mergepipe.storage import remote
+
+    from .s3_server import MIN_PART_SIZE, S3Server
 
     server = S3Server()
+    remote.MIN_PART_SIZE = MIN_PART_SIZE  # this process; the env var for the processes it starts
     env = {
+        "MERGEPIPE_MIN_PART_SIZE": str(MIN_PART_SIZE),
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",

@@ -230,13 +230,22 @@ class S3Proxy:
         self.server.server_close()
 
 
+# The smallest multipart part but the last, on the server and in mergepipe
+# (MERGEPIPE_MIN_PART_SIZE): S3's 5 MiB would make every part of the tests' small objects the
+# last, and so never exercise copies of parts.
+MIN_PART_SIZE = 16 * 1024
+
+
 class S3Server:
     """moto's S3 in server mode on a random loopback port, with the proxy in front."""
 
     def __init__(self) -> None:
         import logging
 
+        import moto.s3.models
         from moto.server import ThreadedMotoServer
+
+        moto.s3.models.S3_UPLOAD_PART_MIN_SIZE = MIN_PART_SIZE
 
         logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

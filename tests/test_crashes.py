@@ -35,7 +35,7 @@ POINTS = [
     ("after-ingestion", "mergepipe.catalog.ingest:ingest_stats:1:after", "index"),
     ("plan-recorded", "mergepipe.catalog.records:save_plan:1:after", "index"),
     ("layer-group", "mergepipe.tasks.merge:merge_group:2", "merge"),
-    ("tensor-write", "mergepipe.execute.context:write_at:7", "merge"),
+    ("tensor-write", "mergepipe.storage.writer:write_at:7", "merge"),
     ("output-files", "mergepipe.tasks.merge:write_output_files:1:after", "merge"),
     ("publish", "mergepipe.storage.writer:_fsync_path:2", "merge"),
     ("run-record", "mergepipe.catalog.records:record_run:1", "published"),

@@ -146,25 +146,28 @@ def test_newer_catalog_is_refused(tmp_path):
             pass
 
 
-def test_statistics_are_cached_on_fingerprints_across_catalogs(tmp_path, prefect_flows):
-    """A second catalog over the same files gets the statistics from the task cache (Prefect's
-    result cache): no pass."""
+def test_statistics_are_cached_in_the_catalog_alone(tmp_path, prefect_flows, monkeypatch):
+    """The catalog is the statistics cache: another process home over the same catalog reads no
+    expert byte to index, and nothing of the pass is kept under MERGEPIPE_HOME (no machine needs
+    another's disk); another catalog has no statistics, so it indexes."""
     fam = tiny_family(tmp_path / "fam")
     cfg = write_config(tmp_path / "m.yaml", fam, "task_arithmetic", block_size="4KiB")
-    first = index_family(config=str(cfg), catalog=str(tmp_path / "a.duckdb"))
+    catalog = str(tmp_path / "a.duckdb")
+    monkeypatch.setenv("MERGEPIPE_HOME", str(tmp_path / "home-1"))
+    first = index_family(config=str(cfg), catalog=catalog)
     assert first["bytes"]["expert"] > 0
-    second = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
-    assert second["indexed_now"] == first["indexed_now"]
-    assert second["bytes"]["expert"] == 0 and second["bytes"]["base"] == 0
-    assert second["content_sha256"] == first["content_sha256"]
-    con = duckdb.connect(str(tmp_path / "b.duckdb"), read_only=True)
-    assert con.execute("SELECT count(*) FROM block_stats").fetchall()[0][0] > 0
-    con.close()
+    assert not (tmp_path / "home-1").exists() or not any((tmp_path / "home-1").rglob("*"))
+    monkeypatch.setenv("MERGEPIPE_HOME", str(tmp_path / "home-2"))
+    second = index_family(config=str(cfg), catalog=catalog)
+    assert second["indexed_now"] == [] and second["bytes"]["expert"] == 0
+    other = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
+    assert other["indexed_now"] == first["indexed_now"] and other["bytes"]["expert"] == first["bytes"]["expert"]
+    assert other["content_sha256"] == first["content_sha256"]
     # Changed files have other fingerprints: a real pass again.
     replace_model(
         fam.experts[0], {k: v + 1 if v.is_floating_point() else v for k, v in load_model(fam.experts[0]).items()}
     )
-    third = index_family(config=str(cfg), catalog=str(tmp_path / "b.duckdb"))
+    third = index_family(config=str(cfg), catalog=catalog)
     assert third["bytes"]["expert"] > 0
 
 

@@ -348,3 +348,40 @@ def test_sweep_plot_marks_a_heuristic_bound_and_shares_its_axes(guaranteed):
         assert lines.get("bound") == "--" and "heuristic (not a bound)" not in lines
     else:
         assert lines.get("heuristic (not a bound)") == ":" and "bound" not in lines
+
+
+def test_part_plan_joins_pieces_in_parts_the_store_accepts():
+    """Every part but the last at least the minimum and at most the maximum; the parts cover the
+    pieces exactly, in order; a piece with the minimum left is copied, not sent."""
+    import random
+
+    from mergepipe.storage.store_staging import part_plan
+
+    rng = random.Random(3)
+    for trial in range(3000):
+        lo = rng.choice([1, 4, 16])
+        hi = rng.choice([2 * lo, 3 * lo, 10 * lo])
+        pieces = [
+            (f"p{i}", rng.choice([0, 1, lo - 1, lo, lo + 1, rng.randrange(1, 6 * hi)]))
+            for i in range(rng.randrange(1, 8))
+        ]
+        pieces = [(name, max(0, n)) for name, n in pieces]
+        parts = part_plan(pieces, lo, hi)
+        flat = [r for _, ranges in parts for r in ranges]
+        # The ranges, joined, are the pieces' bytes in order.
+        got = [(src, b) for src, s, e in flat for b in range(s, e)]
+        want = [(src, b) for src, n in pieces for b in range(n)]
+        assert got == want, (pieces, parts)
+        sizes = [sum(e - s for _, s, e in ranges) for _, ranges in parts]
+        assert all(lo <= n <= hi for n in sizes[:-1]), (pieces, lo, hi, sizes)
+        assert all(0 < n <= hi for n in sizes[-1:])
+        for copied, ranges in parts:
+            assert not copied or len(ranges) == 1
+    # A small header is gathered with the start of the next piece; the rest of a large piece is
+    # copied, split so that no copied part is under the minimum; a small last piece is sent.
+    assert part_plan([("h", 3), ("a", 40), ("b", 5)], 10, 25) == [
+        (False, [("h", 0, 3), ("a", 0, 7)]),
+        (True, [("a", 7, 30)]),
+        (True, [("a", 30, 40)]),
+        (False, [("b", 0, 5)]),
+    ]

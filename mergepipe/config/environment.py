@@ -14,7 +14,7 @@ SHARED_SCHEMES = ("postgresql", "postgres")
 
 
 def home() -> Path:
-    """MERGEPIPE_HOME: the default catalog, saved plans, the statistics cache and the upload spool."""
+    """MERGEPIPE_HOME: the default catalog."""
     return Path(os.environ.get("MERGEPIPE_HOME", "~/.mergepipe")).expanduser()
 
 
@@ -87,19 +87,9 @@ def catalog_location(given: str | Path | None = None) -> CatalogLocation:
     return CatalogLocation(path=home() / "catalog.duckdb")
 
 
-def spool_dir() -> Path:
-    """Where outputs bound for an object store are staged before their upload."""
-    return home() / "spool"
-
-
 def plans_root() -> Path:
     """Where saved plans live for the layer tasks to load."""
     return home() / "plans"
-
-
-def results_dir() -> Path:
-    """Where Prefect persists task results (the statistics pass's cache)."""
-    return home() / "results"
 
 
 def machine_memory() -> int:

@@ -1,12 +1,12 @@
 """What every form of merge shares within one layer group: the plan's inputs and parameters,
-the reader, the memory rules, and the staged output with the hash of the bytes written to it."""
+the reader, the memory rules, and the writer into the staged output with the hash of the bytes
+written through it."""
 
 from __future__ import annotations
 
 import hashlib
 import math
 from dataclasses import replace
-from pathlib import Path
 from typing import NamedTuple
 
 from mergepipe import torch
@@ -20,7 +20,7 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import CONFIG_DTYPES, DTYPES, TensorPlace, decode
-from mergepipe.storage.writer import write_at
+from mergepipe.storage.staging import OutputWriter
 
 
 class TensorReads(NamedTuple):
@@ -49,9 +49,10 @@ class GroupContext:
     windowed). Expert k (0-based, as the plan's access set numbers them) is `experts[k]`."""
 
     def __init__(
-        self, plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger, memory: MemoryPlan | None
+        self, plan: Plan, layout: OutputLayout, out: OutputWriter, ledger: ByteLedger, memory: MemoryPlan | None
     ) -> None:
-        self.plan, self.layout, self.staging, self.ledger = plan, layout, staging, ledger
+        # out: the group's writer into the staging (storage.staging), writes in layout order
+        self.plan, self.layout, self.out, self.ledger = plan, layout, out, ledger
         self.base: InputModel = plan.inputs[0]
         self.experts: list[InputModel] = plan.inputs[1:]
         # Every expert stores its tensors where the base does (one Layout, shared by reference).
@@ -134,4 +135,4 @@ class GroupContext:
         staged output; hashed in the order written (layout order)."""
         out = self.layout.tensors[name]
         self.written.update(data)
-        write_at(self.staging / out.file, out.start + first_element * DTYPES[out.dtype].itemsize, data, self.ledger)
+        self.out.write(out.file, out.start + first_element * DTYPES[out.dtype].itemsize, data)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,7 +19,7 @@ from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.safetensors_format import DTYPES
-from mergepipe.storage.writer import group_record
+from mergepipe.storage.staging import OutputWriter, Staging
 
 # How many tensors ahead of the merge the kernel is asked to read (the first of them is the
 # one being merged). Bounded so that prefetched pages are used before memory pressure could
@@ -33,23 +32,27 @@ class GroupResult:
     """What merging one group gives: the ledger rows of what it read and wrote, the SHA-256 of
     the bytes it wrote (in layout order), the process that wrote them and, for a first merge,
     the statistics its tap measured (index.tap.StatsTap.result). Its record is the group's
-    mark (storage.writer.mark_group_done), from which a resumed run takes it over."""
+    mark (the staging's mark_done), from which a resumed run takes it over."""
 
     rows: list[dict]
     sha256: str
     worker: str = ""
     index: dict | None = None
     resumed: bool = field(default=False, compare=False)  # taken over from an earlier run's mark
+    # what the staging keeps of the written bytes (an object-store staging: the pieces)
+    staged: dict = field(default_factory=dict, compare=False)
 
     def as_record(self) -> dict:
-        record = {"rows": self.rows, "sha256": self.sha256, "worker": self.worker}
+        record = {"rows": self.rows, "sha256": self.sha256, "worker": self.worker, **self.staged}
         if self.index is not None:
             record["index"] = self.index
         return record
 
     @classmethod
     def from_record(cls, record: dict, resumed: bool = True) -> "GroupResult":
-        return cls(record["rows"], record["sha256"], record.get("worker", ""), record.get("index"), resumed)
+        rows, sha, worker, index = record["rows"], record["sha256"], record.get("worker", ""), record.get("index")
+        staged = {k: v for k, v in record.items() if k not in ("rows", "sha256", "worker", "index")}
+        return cls(rows, sha, worker, index, resumed, staged)
 
 
 class GroupMerger:
@@ -64,12 +67,12 @@ class GroupMerger:
         self,
         plan: Plan,
         layout: OutputLayout,
-        staging: Path,
+        out: OutputWriter,
         ledger: ByteLedger,
         memory: MemoryPlan | None = None,
         index: list[int] | None = None,
     ) -> None:
-        self.g = GroupContext(plan, layout, staging, ledger, memory)
+        self.g = GroupContext(plan, layout, out, ledger, memory)
         self.index = index or []
         self.tap: StatsTap | None = None
         self.index_result: dict | None = None
@@ -155,7 +158,7 @@ def merge_group(
     plan: Plan,
     layout: OutputLayout,
     group: str,
-    staging: Path,
+    staging: Staging,
     memory: MemoryPlan | None = None,
     index: list[int] | None = None,
     worker: str = "",
@@ -163,13 +166,20 @@ def merge_group(
     """Merge one group into the staged output within the memory plan's share for a group (None:
     no limit); with `index` (expert positions), measure those experts' statistics on the way."""
     ledger = ByteLedger()
-    merger = GroupMerger(plan, layout, staging, ledger, memory, index)
-    merger.run(group)
-    return GroupResult(ledger.rows(), merger.g.written.hexdigest(), worker, merger.index_result if index else None)
+    out = staging.writer(ledger)
+    merger = GroupMerger(plan, layout, out, ledger, memory, index)
+    try:
+        merger.run(group)
+        staged = out.close()
+    except BaseException:
+        out.abort()
+        raise
+    index_result = merger.index_result if index else None
+    return GroupResult(ledger.rows(), merger.g.written.hexdigest(), worker, index_result, staged=staged)
 
 
-def finished_group(layout: OutputLayout, group: str, staging: Path) -> GroupResult | None:
+def finished_group(layout: OutputLayout, group: str, staging: Staging) -> GroupResult | None:
     """What merging a group an earlier run finished gave, if its mark is there and its staged
     bytes are still exactly those it wrote (a resumed merge takes it over); else None."""
-    record = group_record(staging, group, group_regions(layout, group))
+    record = staging.record(group, group_regions(layout, group))
     return None if record is None else GroupResult.from_record(record)

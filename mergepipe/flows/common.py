@@ -10,10 +10,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 
 from mergepipe import torch
-from mergepipe.config.environment import CatalogLocation, results_dir, worker_count
+from mergepipe.config.environment import CatalogLocation, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.errors import BadInput, MergepipeError
@@ -21,7 +20,7 @@ from mergepipe.execute.group import GroupResult, finished_group
 from mergepipe.execute.memory import MemoryPlan, plan_memory
 from mergepipe.flows.artifacts import summary_artifact
 from mergepipe.flows.executor import run_groups
-from mergepipe.flows.orchestration import call_with_retries, in_process, run_task
+from mergepipe.flows.orchestration import in_process, run_task
 from mergepipe.flows.runners import describe
 from mergepipe.index.family import Family
 from mergepipe.index.first_merge import check_recorded_plan, count_unchanged_as_index, tap_stats
@@ -31,9 +30,9 @@ from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
 from mergepipe.publish.manifest import MANIFEST_FILE, versions
-from mergepipe.storage import writer
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
+from mergepipe.storage.staging import staging_at
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import freeze_long_lived
 from mergepipe.tasks.index import (
@@ -140,16 +139,8 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
 
 def _block_stats(family: Family, positions: list[int], block_size: int, ledger: ByteLedger) -> StatsResult:
     """The statistics pass over these experts (and the base), its reads counted in `ledger`."""
-    if in_process():
-        result, rows = call_with_retries(compute_block_stats, family, positions, block_size)
-        ledger.merge(rows)
-        return result
-    state = compute_block_stats.prefect.with_options(result_storage=results_dir())(
-        family, positions, block_size, return_state=True
-    )
-    result, rows = state.result()
-    if state.name != "Cached":  # a cached pass read nothing now
-        ledger.merge(rows)
+    result, rows = run_task(compute_block_stats, family, positions, block_size)
+    ledger.merge(rows)
     return result
 
 
@@ -229,9 +220,9 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
     rep.start("merge", len(groups), "groups")
     rep.start("read", ex.plan.base_tensor_bytes + ex.plan.expert_bytes_planned, "B")
     try:
-        todo = []
+        todo, where = [], staging_at(staging)
         for g in groups:
-            done = finished_group(layout, g, Path(staging))
+            done = finished_group(layout, g, where)
             if done is not None:
                 results.add(g, done)
             else:
@@ -356,7 +347,7 @@ def execute_plan(ex: Execution) -> dict:
         )
         ledger.merge(rows)
     except BaseException:
-        writer.discard(Path(staging))
+        staging_at(staging).discard()
         raise
     run_task(
         record_run,

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mergepipe import __version__
-from mergepipe.errors import BadInput
+from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
 from mergepipe.storage.canonical import digest_of
@@ -20,7 +20,8 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
 from mergepipe.storage.reader import read_small_file, stat
-from mergepipe.storage.writer import copy_file, sha256_file, sha256_uri, write_file
+from mergepipe.storage.staging import Staging
+from mergepipe.storage.writer import sha256_uri
 
 FORMAT = "mergepipe-manifest/1"
 
@@ -44,21 +45,25 @@ def versions() -> dict:
     }
 
 
-def write_output_files(plan: Plan, layout: OutputLayout, staging: Path, ledger: ByteLedger) -> dict:
+def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger) -> dict:
     """Index, sidecars and access set into staging; then hash everything. Returns the
     manifest's `output` section."""
-    write_file(staging / INDEX_FILE, index_json(layout))
+    staging.put(INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
     for name in base.sidecars:
-        copy_file(join(base.root, name), staging / name, ledger)
-    pq.write_table(plan.access, staging / ACCESS_FILE)
+        staging.copy_in(join(base.root, name), name, ledger)
+    sink = pa.BufferOutputStream()
+    pq.write_table(plan.access, sink)
+    staging.put(ACCESS_FILE, sink.getvalue().to_pybytes())
     shards = []
     for shard in layout.shards:
-        digest, size = sha256_file(staging / shard.name, ledger)
+        digest, size = staging.sha256(shard.name, ledger)
+        if size != shard.size:
+            raise MergepipeError(f"{staging.location}: staged {shard.name} has {size} bytes, the layout {shard.size}")
         shards.append({"file": shard.name, "size": size, "sha256": digest})
     files = []
     for name in [INDEX_FILE, *base.sidecars]:
-        digest, size = sha256_file(staging / name)
+        digest, size = staging.sha256(name)
         files.append({"file": name, "size": size, "sha256": digest})
     return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}
 
@@ -68,8 +73,8 @@ def build_manifest(plan: Plan, output: dict, run: dict) -> dict:
     return {"digest": digest_of(content), "content": content, "run": run}
 
 
-def write_manifest(staging: Path, manifest: dict) -> None:
-    write_file(staging / MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+def write_manifest(staging: Staging, manifest: dict) -> None:
+    staging.put(MANIFEST_FILE, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
 
 
 def manifest_uri(location: str | Path) -> str:

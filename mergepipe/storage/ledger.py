@@ -8,7 +8,9 @@ from collections import defaultdict
 # reread: bytes read again by a merge in passes over windows (execute.windowed), beyond the
 # base and expert bytes the plan counts once. index: bytes a first merge that indexes on the
 # way reads only for the index (blocks found unchanged, the experts' non-float buffers).
-ROLES = ("header", "base", "expert", "reread", "index", "output", "checksum", "sidecar", "upload")
+# upload: bytes published into an object-store output; compose: staged bytes read back there to
+# be sent again, where a multipart part would be under the store's minimum size.
+ROLES = ("header", "base", "expert", "reread", "index", "output", "checksum", "sidecar", "upload", "compose")
 
 
 class ByteLedger:

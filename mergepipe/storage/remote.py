@@ -32,6 +32,11 @@ BACKOFF_CAP_S = 10.0
 HASH_CHUNK = 8 * 1024 * 1024
 # Parts of multipart uploads; files under twice this size go up in one PUT.
 PART_SIZE = int(os.environ.get("MERGEPIPE_UPLOAD_PART_SIZE", str(64 * 1024 * 1024)))
+# The store's smallest part of a multipart upload but the last (S3's rule: 5 MiB), and its
+# largest (5 GiB). Settable for stores with other rules, and for tests on small objects.
+MIN_PART_SIZE = int(os.environ.get("MERGEPIPE_MIN_PART_SIZE", str(5 * 1024 * 1024)))
+MAX_PART_SIZE = 5 * 1024**3
+MAX_PARTS = 10_000
 
 
 class ShortRead(OSError):
@@ -78,7 +83,7 @@ def _is_credentials_error(exc: BaseException) -> bool:
     return type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError")
 
 
-def _final(exc: BaseException, uri: str, what: str) -> Exception:
+def final_error(exc: BaseException, uri: str, what: str) -> Exception:
     """The error a user sees, naming the object."""
     if isinstance(exc, FileNotFoundError):
         return BadInput(f"{uri}: object not found")
@@ -105,7 +110,7 @@ def retrying(uri: str, what: str, call: Callable[[], T]) -> T:
             return call()
         except Exception as exc:
             if not is_transient(exc) or attempt == ATTEMPTS:
-                raise _final(exc, uri, what) from exc
+                raise final_error(exc, uri, what) from exc
             log.info("%s: %s: transient %s, retrying", uri, what, type(exc).__name__)
             time.sleep(backoff(attempt))
     raise AssertionError("unreachable")
@@ -135,7 +140,7 @@ def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
             uri, start, end = items[i]
             if isinstance(data, BaseException):
                 if not is_transient(data):
-                    raise _final(data, uri, f"read of bytes {start}-{end}") from data
+                    raise final_error(data, uri, f"read of bytes {start}-{end}") from data
                 last = data
                 failed.append(i)
             elif len(data) != end - start:
@@ -149,7 +154,7 @@ def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
             time.sleep(backoff(attempt))
     if todo:
         uri, start, end = items[todo[0]]
-        raise _final(last, uri, f"read of bytes {start}-{end}")
+        raise final_error(last, uri, f"read of bytes {start}-{end}")
     return out  # type: ignore[return-value]
 
 
@@ -229,6 +234,122 @@ def upload(local_path: str, uri: str) -> int:
     kwargs = {"chunksize": PART_SIZE} if protocol(uri) in ("s3", "s3a") else {}
     retrying(uri, "upload", lambda: fs.put_file(local_path, fs_path(uri), **kwargs))
     return os.path.getsize(local_path)
+
+
+def put_bytes(uri: str, data: bytes) -> None:
+    """A small object, written in one PUT."""
+    fs = filesystem(uri)
+    retrying(uri, "write", lambda: fs.pipe_file(fs_path(uri), data))
+
+
+def read_if_present(uri: str) -> bytes | None:
+    """A whole small object, or None when there is none at that key."""
+    fs = filesystem(uri)
+
+    def call():
+        try:
+            return fs.cat_file(fs_path(uri))
+        except FileNotFoundError:
+            return None
+
+    return retrying(uri, "read", call)
+
+
+def open_writer(uri: str):
+    """A file object whose writes go to the object in parts of PART_SIZE (a multipart upload,
+    or one PUT for less), the object appearing at close(); discard() drops it instead. At most
+    one part is held in memory."""
+    fs = filesystem(uri)
+    return retrying(uri, "open for writing", lambda: fs.open(fs_path(uri), "wb", block_size=max(PART_SIZE, 5 << 20)))
+
+
+def list_objects(uri: str) -> dict[str, FileFingerprint]:
+    """Every object under a prefix (by path relative to it), with its size and ETag."""
+    fs = filesystem(uri)
+    path = fs_path(uri).rstrip("/")
+
+    def call():
+        try:
+            found = fs.find(path, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            name[len(path) + 1 :]: FileFingerprint(
+                size=int(info["size"]), etag=(info.get("ETag") or info.get("etag") or "").strip('"') or None
+            )
+            for name, info in found.items()
+            if name.startswith(path + "/") and info.get("type", "file") == "file"
+        }
+
+    return retrying(uri, "list", call)
+
+
+def copy(src: str, dst: str) -> None:
+    """A server-side copy of one object (multipart above the store's single-copy limit)."""
+    fs = filesystem(dst)
+    retrying(dst, "copy", lambda: fs.copy(fs_path(src), fs_path(dst)))
+
+
+def compose(uri: str, parts: list[tuple[bool, list[tuple[str, int, int]]]]) -> int:
+    """Make the object at `uri` from `parts` in order, in one multipart upload: a part (True,
+    [(src, start, end)]) is a server-side copy of that range of `src`; a part (False, ranges)
+    is those ranges read here and sent (so that every part but the last is at least
+    MIN_PART_SIZE). Returns the bytes read and sent. An upload that fails is aborted."""
+    fs = filesystem(uri)
+    bucket, key = fs_path(uri).split("/", 1)
+    mpu = retrying(uri, "start upload", lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key))
+    upload_id = mpu["UploadId"]
+    sent, done = 0, []
+    try:
+        for number, (server_side, ranges) in enumerate(parts, start=1):
+            kw = {"Bucket": bucket, "Key": key, "UploadId": upload_id, "PartNumber": number}
+            if server_side:
+                ((src, start, end),) = ranges
+                out = retrying(
+                    uri,
+                    f"copy of part {number}",
+                    lambda kw=kw, src=src, start=start, end=end: fs.call_s3(
+                        "upload_part_copy", CopySource=fs_path(src), CopySourceRange=f"bytes={start}-{end - 1}", **kw
+                    ),
+                )
+                etag = out["CopyPartResult"]["ETag"]
+            else:
+                body = b"".join(fetch(ranges))
+                out = retrying(
+                    uri, f"upload of part {number}", lambda kw=kw, body=body: fs.call_s3("upload_part", Body=body, **kw)
+                )
+                etag = out["ETag"]
+                sent += len(body)
+            done.append({"PartNumber": number, "ETag": etag})
+        retrying(
+            uri,
+            "completing the upload",
+            lambda: fs.call_s3(
+                "complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            ),
+        )
+    except BaseException:
+        try:
+            fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
+        except Exception:  # the store drops it by its own lifecycle rules
+            log.info("%s: could not abort the multipart upload %s", uri, upload_id)
+        raise
+    fs.invalidate_cache(fs_path(uri))
+    return sent
+
+
+def delete_tree(uri: str) -> None:
+    """Every object under a prefix."""
+    fs = filesystem(uri)
+    path = fs_path(uri).rstrip("/")
+
+    def call():
+        try:
+            fs.rm(path, recursive=True)
+        except FileNotFoundError:
+            pass
+
+    retrying(uri, "delete", call)
 
 
 def delete(uris: list[str]) -> None:

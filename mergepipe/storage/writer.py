@@ -1,15 +1,13 @@
-"""Output folders: staged, written in place, published atomically.
+"""Local output folders: checked, staged, written in place, published atomically; the file
+writes and hashes every output shares.
 
-Local output is staged next to its destination and published by one rename, after every shard
-is written, hashed and synced and the manifest is in the staging folder. Output to an object
-store is staged in a local spool (shards are written at computed offsets, which objects do not
-allow), then uploaded: shards first, the manifest last. The manifest is the commit marker: a
-prefix without one is not a published merge, whatever else it holds."""
+A local output is staged next to its destination and published by one rename, after every
+shard is written, hashed and synced and the manifest is in the staging folder. (An output in
+an object store is staged in the store: storage.store_staging.)"""
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import secrets
@@ -17,13 +15,11 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-import pyarrow as pa
-
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage import remote
-from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
-from mergepipe.storage.location import inside, is_remote, join, normalize
+from mergepipe.storage.location import fs_path, inside, is_remote, normalize, protocol
+from mergepipe.storage.marks import mark_files, read_mark
 from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE, SIDECAR_FILES
 from mergepipe.storage.reader import read_small_file, stat
 
@@ -79,6 +75,11 @@ def check_destination(out: str | Path, overwrite: bool, inputs: list[str]) -> st
 
 
 def _check_remote_destination(out: str, overwrite: bool) -> None:
+    # Staging in the store joins shards with S3's multipart copies, and lies beside the output.
+    if protocol(out) not in ("s3", "s3a"):
+        raise BadInput(f"{out}: an output goes to a local folder or to s3:// (not {protocol(out)}://)")
+    if "/" not in fs_path(out):
+        raise BadInput(f"{out}: an output in a bucket needs a prefix (s3://bucket/NAME), not the bucket itself")
     remote.check_bucket(out)
     if stat(out) is not None:
         raise BadInput(f"{out}: is an object, not a prefix")
@@ -95,32 +96,127 @@ def _check_remote_destination(out: str, overwrite: bool) -> None:
         )
 
 
-def staging_dir(out: str, key: str, spool: Path | None = None) -> Path:
-    """Where the output for `out` is staged, named by `key` (the plan digest), so a merge run
-    again after a crash finds the bytes its first run wrote. Local output: a hidden folder beside
-    it (same file system, so the rename is atomic). Remote output: a folder in `spool`."""
-    if is_remote(out):
-        if spool is None:
-            raise ValueError(f"{out}: staging an object-store output needs a local spool folder")
-        return spool / f"{digest_of(out)[:12]}{STAGING_MARK}{key[:16]}"
+def staging_dir(out: str, key: str) -> Path:
+    """Where a local output is staged, named by `key` (the plan digest), so a merge run again
+    after a crash finds the bytes its first run wrote: a hidden folder beside it (same file
+    system, so the rename is atomic)."""
     return Path(out).parent / f".{Path(out).name}{STAGING_MARK}{key[:16]}"
 
 
-def open_staging(
-    out: str, key: str, shards: list[tuple[str, bytes, int]], spool: Path | None = None
-) -> tuple[Path, bool]:
-    """The staging folder with every shard (name, header, size) in place. An existing folder
-    whose shards have their sizes and headers is kept (True: a resumed merge); anything else
-    there is wiped and the shards are created afresh."""
-    staging = staging_dir(out, key, spool)
-    if staging.is_dir() and all(_shard_in_place(staging / name, header, size) for name, header, size in shards):
-        return staging, True
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.parent.mkdir(parents=True, exist_ok=True)
-    staging.mkdir()
-    for name, header, size in shards:
-        create_shard(staging / name, header, size)
-    return staging, False
+GROUPS_DIR = ".mergepipe-groups"  # in staging: which layer groups are written, and their records
+
+
+class LocalWriter:
+    """One layer group's writes into the staged shards, each at its offset."""
+
+    def __init__(self, folder: Path, ledger: ByteLedger) -> None:
+        self.folder, self.ledger = folder, ledger
+
+    def write(self, shard: str, offset: int, data: bytes | memoryview) -> None:
+        write_at(self.folder / shard, offset, data, self.ledger)
+
+    def close(self) -> dict:
+        """What the group's mark keeps of its writes besides their hash: nothing here."""
+        return {}
+
+    def abort(self) -> None:
+        pass
+
+
+class LocalStaging:
+    """A local output's staging folder: the shards at their final sizes, written in place by
+    the groups; the group marks; the small files. Published by one rename."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.location = str(folder)
+
+    def open(self, shards: list[tuple[str, bytes, int]]) -> bool:
+        """Every shard (name, header, size) in place. An existing folder whose shards have their
+        sizes and headers is kept (True: a resumed merge); anything else there is wiped and the
+        shards are created afresh."""
+        staging = self.folder
+        if staging.is_dir() and all(_shard_in_place(staging / name, header, size) for name, header, size in shards):
+            return True
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.parent.mkdir(parents=True, exist_ok=True)
+        staging.mkdir()
+        for name, header, size in shards:
+            create_shard(staging / name, header, size)
+        return False
+
+    def writer(self, ledger: ByteLedger) -> LocalWriter:
+        return LocalWriter(self.folder, ledger)
+
+    def mark_done(self, group: str, record: dict) -> None:
+        """Mark a group finished with its record (storage.marks): the SHA-256 of the bytes it
+        wrote ("sha256") and whatever else a resumed run needs to account for it."""
+        folder = self.folder / GROUPS_DIR
+        folder.mkdir(exist_ok=True)
+        for name, data in mark_files(group, record):
+            tmp = folder / f"{name}.tmp"
+            write_file(tmp, data)
+            os.replace(tmp, folder / name)
+
+    def record(self, group: str, regions: list[tuple[str, int, int]]) -> dict | None:
+        """The record of a group marked done whose staged bytes still hash to what it wrote; else None."""
+        folder = self.folder / GROUPS_DIR
+        record = read_mark(group, lambda name: (folder / name).read_bytes())
+        if record is None:
+            return None
+        h = hashlib.sha256()
+        try:
+            for shard, start, end in regions:
+                with open(self.folder / shard, "rb") as f:
+                    f.seek(start)
+                    data = f.read(end - start)
+                if len(data) != end - start:
+                    return None
+                h.update(data)
+        except OSError:
+            return None
+        return record if h.hexdigest() == record.get("sha256") else None
+
+    def clear_marks(self) -> None:
+        shutil.rmtree(self.folder / GROUPS_DIR, ignore_errors=True)
+
+    def put(self, name: str, data: bytes) -> None:
+        write_file(self.folder / name, data)
+
+    def copy_in(self, src: str, name: str, ledger: ByteLedger) -> None:
+        copy_file(src, self.folder / name, ledger)
+
+    def sha256(self, name: str, ledger: ByteLedger | None = None) -> tuple[str, int]:
+        return sha256_file(self.folder / name, ledger)
+
+    def size(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.iterdir() if p.is_file())
+
+    def publish(
+        self, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None = None
+    ) -> None:
+        """Make the staged folder (manifest included) visible at `out` by one rename, after
+        syncing every file in it."""
+        staging, out_path = self.folder, Path(out)
+        for p in staging.iterdir():
+            _fsync_path(p)
+        _fsync_path(staging, directory=True)
+        if out_path.exists():
+            if not overwrite:
+                raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
+            trash = out_path.parent / f".{out_path.name}.mergepipe-old-{secrets.token_hex(6)}"
+            os.rename(out_path, trash)
+            os.rename(staging, out_path)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            try:
+                os.rename(staging, out_path)
+            except OSError as err:
+                raise MergepipeError(f"{out}: could not publish ({err.strerror})") from None
+        _fsync_path(out_path.parent, directory=True)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _shard_in_place(path: Path, header: bytes, size: int) -> bool:
@@ -131,69 +227,6 @@ def _shard_in_place(path: Path, header: bytes, size: int) -> bool:
             return f.read(len(header)) == header
     except OSError:
         return False
-
-
-GROUPS_DIR = ".mergepipe-groups"  # in staging: which layer groups are written, and their hashes
-
-
-def mark_group_done(staging: Path, group: str, record: dict) -> None:
-    """Mark a group finished with its record: the SHA-256 of the bytes it wrote ("sha256") and
-    whatever else a resumed run needs to account for it (JSON; Arrow tables in it, as statistics
-    rows are, go beside it as Arrow IPC files, which JSON would cost far more to write and read)."""
-    folder = staging / GROUPS_DIR
-    folder.mkdir(exist_ok=True)
-    tables: dict[str, pa.Table] = {}
-
-    def plain(value, path: str):
-        if isinstance(value, pa.Table):
-            tables[path] = value
-            return {"arrow_file": f"{group}.{path}.arrow"}
-        if isinstance(value, dict):
-            return {k: plain(v, f"{path}.{k}" if path else k) for k, v in value.items()}
-        return value
-
-    text = json.dumps(plain(record, ""), sort_keys=True).encode()
-    for path, table in tables.items():  # before the mark: the mark is what says the group is done
-        tmp = folder / f"{group}.{path}.arrow.tmp"
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
-            out.write_table(table)
-        os.replace(tmp, folder / f"{group}.{path}.arrow")
-    tmp = folder / f"{group}.tmp"
-    write_file(tmp, text)
-    os.replace(tmp, folder / group)
-
-
-def group_record(staging: Path, group: str, regions: list[tuple[str, int, int]]) -> dict | None:
-    """The record of a group marked done whose bytes are still exactly those it wrote; else None."""
-    folder = staging / GROUPS_DIR
-
-    def tables(value):
-        if isinstance(value, dict):
-            if set(value) == {"arrow_file"}:
-                with pa.OSFile(str(folder / value["arrow_file"]), "rb") as source:
-                    return pa.ipc.open_file(source).read_all()
-            return {k: tables(v) for k, v in value.items()}
-        return value
-
-    try:
-        record = json.loads((folder / group).read_text())
-        h = hashlib.sha256()
-        for shard, start, end in regions:
-            with open(staging / shard, "rb") as f:
-                f.seek(start)
-                data = f.read(end - start)
-            if len(data) != end - start:
-                return None
-            h.update(data)
-        if not isinstance(record, dict) or h.hexdigest() != record.get("sha256"):
-            return None
-        return tables(record)
-    except (OSError, ValueError, pa.ArrowException):
-        return None
-
-
-def clear_group_marks(staging: Path) -> None:
-    shutil.rmtree(staging / GROUPS_DIR, ignore_errors=True)
 
 
 def create_shard(path: Path, header: bytes, size: int) -> None:
@@ -271,62 +304,9 @@ def _fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def publish(
-    staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None = None
-) -> None:
-    """Make the staged folder (manifest included) visible at `out`."""
-    if is_remote(out):
-        _upload(staging, out, overwrite, ledger, progress)
-        discard(staging)
-        return
-    out_path = Path(out)
-    for p in staging.iterdir():
-        _fsync_path(p)
-    _fsync_path(staging, directory=True)
-    if out_path.exists():
-        if not overwrite:
-            raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
-        trash = out_path.parent / f".{out_path.name}.mergepipe-old-{secrets.token_hex(6)}"
-        os.rename(out_path, trash)
-        os.rename(staging, out_path)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        try:
-            os.rename(staging, out_path)
-        except OSError as err:
-            raise MergepipeError(f"{out}: could not publish ({err.strerror})") from None
-    _fsync_path(out_path.parent, directory=True)
-
-
 def upload_order(names: list[str]) -> list[str]:
     """Shards, then the small files, then the manifest: whatever is visible before the
     manifest is, by the commit rule, not a published output."""
     rest = sorted(n for n in names if n != MANIFEST_FILE)
     shards = [n for n in rest if n.endswith(".safetensors")]
     return shards + [n for n in rest if n not in shards] + ([MANIFEST_FILE] if MANIFEST_FILE in names else [])
-
-
-def _upload(
-    staging: Path, out: str, overwrite: bool, ledger: ByteLedger, progress: Callable[[int], None] | None
-) -> None:
-    names = sorted(p.name for p in staging.iterdir())
-    if MANIFEST_FILE not in names:
-        raise MergepipeError(f"{staging}: no manifest staged; not publishing")
-    before = remote.list_tree(out)
-    if MANIFEST_FILE in before:
-        if not overwrite:
-            raise BadInput(f"{out}: output already exists (pass --overwrite to replace it)")
-        # Unpublish first: from here until the new manifest lands, the prefix is not an output.
-        remote.delete([join(out, MANIFEST_FILE)])
-    for name in upload_order(names):
-        if name == MANIFEST_FILE:
-            # Objects of an earlier output that this one does not have go before the commit.
-            remote.delete([join(out, n) for n in before if n not in names])
-        size = remote.upload(str(staging / name), join(out, name))
-        ledger.add("upload", "output", name, size)
-        if progress:
-            progress(size)
-
-
-def discard(staging: Path) -> None:
-    shutil.rmtree(staging, ignore_errors=True)

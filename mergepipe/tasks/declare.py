@@ -46,9 +46,6 @@ class DeclaredTask:
     retry_delay_seconds: float | list[float] = 0
     retry_jitter_factor: float | None = None
     task_run_name: str | None = None
-    # With a key function the result is cached and persisted under that key (Prefect's result
-    # store); without one it is never cached.
-    cache_key_fn: Callable | None = None
 
     def with_options(self, **changes: Any) -> DeclaredTask:
         return dataclasses.replace(self, **changes)
@@ -68,11 +65,9 @@ class DeclaredTask:
         )
         if self.retries:
             options["retry_condition_fn"] = retry_unless_bad_input
-        if self.cache_key_fn is None:
-            options["cache_policy"] = NO_CACHE
-        else:
-            options.update(cache_key_fn=self.cache_key_fn, persist_result=True)
-        return task(**options)(self.fn)
+        # Never cached by Prefect: what is worth keeping (statistics, plans, finished groups)
+        # is kept in the catalog or beside the output, where every machine finds it.
+        return task(cache_policy=NO_CACHE, **options)(self.fn)
 
 
 def declare_task(name: str, **options: Any) -> Callable[[Callable], DeclaredTask]:

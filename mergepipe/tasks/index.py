@@ -13,9 +13,8 @@ from contextlib import contextmanager
 from mergepipe.catalog import claims, db, ingest
 from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
 from mergepipe.index.family import Family, load_family
-from mergepipe.index.stats import STATS_FORMAT, StatsResult, compute_stats
+from mergepipe.index.stats import StatsResult, compute_stats
 from mergepipe.index.tables import model_tables
-from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
 from mergepipe.tasks import progress
@@ -47,18 +46,10 @@ def look_up_family(family: Family, block_size: int, catalog: CatalogLocation) ->
         )
 
 
-def stats_cache_key(context, parameters: dict) -> str:
-    """The statistics depend only on the files' fingerprints (base and the experts indexed) and
-    the block size: another catalog, or a re-run after a crash before ingestion, reuses them."""
-    family: Family = parameters["family"]
-    fps = family.expert_fps()
-    # STATS_FORMAT: a result cached by an earlier release lacks what this one ingests.
-    key = [family.base_fp, [fps[i] for i in parameters["positions"]], parameters["block_size"], STATS_FORMAT]
-    return "block-stats-" + digest_of(key)[:40]
-
-
-@declare_task("compute-block-stats", cache_key_fn=stats_cache_key, **STORAGE_RETRIES)
+@declare_task("compute-block-stats", **STORAGE_RETRIES)
 def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
+    """The statistics pass over these experts (and the base). Its result is cached in the
+    catalog alone (ingested right after it), which every machine sharing the catalog reads."""
     ledger = ByteLedger()
     total = sum(loc.nbytes for i in positions for loc in family.experts[i].tensors.values())
     rep = progress.reporter()

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import socket
-from pathlib import Path
 
 from mergepipe.catalog import db, records
-from mergepipe.config.environment import CatalogLocation, spool_dir
+from mergepipe.config.environment import CatalogLocation
 from mergepipe.config.spec import storage_options_of
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import GroupResult, merge_group
@@ -16,21 +15,21 @@ from mergepipe.execute.memory import MemoryPlan
 from mergepipe.plan import saved
 from mergepipe.publish.checks import changed_inputs
 from mergepipe.publish.manifest import build_manifest, write_manifest, write_output_files
-from mergepipe.storage import writer
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
+from mergepipe.storage.staging import staging_at, staging_for
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
 
 
 @declare_task("stage-output", **STORAGE_RETRIES)
 def stage_output(plan_dir: str, out: str) -> str:
-    """The staging folder, named by the plan: a merge run again after a crash keeps what its
-    first run staged."""
+    """The staging's location (storage.staging), named by the plan: a merge run again after a
+    crash, on any machine, keeps what its first run staged."""
     plan, layout = saved.load(plan_dir)
-    shards = [(s.name, s.header, s.size) for s in layout.shards]
-    staging, _ = writer.open_staging(out, plan.plan_digest, shards, spool=spool_dir())
-    return str(staging)
+    staging = staging_for(out, plan.plan_digest)
+    staging.open([(s.name, s.header, s.size) for s in layout.shards])
+    return staging.location
 
 
 @declare_task("merge-layer-group", task_run_name="merge-layer-group[{group}]", **STORAGE_RETRIES)
@@ -54,8 +53,9 @@ def merge_layer_group(
         set_storage_options(storage_options_of(options_from))
     plan, layout = saved.load(plan_dir)
     freeze_long_lived()
-    result = merge_group(plan, layout, group, Path(staging), memory, index, f"{socket.gethostname()}:{os.getpid()}")
-    writer.mark_group_done(Path(staging), group, result.as_record())
+    where = staging_at(staging)
+    result = merge_group(plan, layout, group, where, memory, index, f"{socket.gethostname()}:{os.getpid()}")
+    where.mark_done(group, result.as_record())
     return result
 
 
@@ -69,9 +69,10 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
         raise BadInput(
             f"{changed[0]}: input changed during the merge (its fingerprint differs from the plan's); not publishing"
         )
-    writer.clear_group_marks(Path(staging))
+    where = staging_at(staging)
+    where.clear_marks()
     ledger = ByteLedger()
-    output = write_output_files(plan, layout, Path(staging), ledger)
+    output = write_output_files(plan, layout, where, ledger)
     return output, ledger.rows()
 
 
@@ -79,20 +80,22 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
 def publish_output(
     plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
 ) -> tuple[dict, list[dict]]:
-    """Write the manifest into staging and publish (rename, or upload with the manifest last).
+    """Write the manifest into staging and publish (a rename; in an object store, shards
+    joined from their staged pieces and the manifest last).
     With expected_digest (replay), a merge that does not reproduce it is never published.
     Returns the manifest and the ledger rows of the upload."""
     plan, _ = saved.load(plan_dir)
     manifest = build_manifest(plan, output, run)
     if expected_digest is not None and manifest["digest"] != expected_digest:
         raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
-    write_manifest(Path(staging), manifest)
+    where = staging_at(staging)
+    write_manifest(where, manifest)
     ledger = ByteLedger()
     rep = progress.reporter()
     if is_remote(out):
-        rep.start("upload", sum(p.stat().st_size for p in Path(staging).iterdir()), "B")
+        rep.start("upload", where.size(), "B")
     try:
-        writer.publish(Path(staging), out, overwrite, ledger, progress=lambda n: rep.advance("upload", n))
+        where.publish(out, overwrite, ledger, progress=lambda n: rep.advance("upload", n))
     finally:
         rep.finish("upload")
     return manifest, ledger.rows()
