@@ -496,22 +496,9 @@ def demo(
 
 
 def _run_demo(out: Path, say: Callable[[str], None]) -> dict:
-    """The demo with all of its state in its folder: MERGEPIPE_HOME (saved plans) is `out/home`
-    while it runs, and the catalog is `out/catalog.duckdb`."""
-    before = os.environ.get("MERGEPIPE_HOME")
-    os.environ["MERGEPIPE_HOME"] = str(out / "home")
-    try:
-        return _demo_steps(out, say)
-    finally:
-        if before is None:
-            os.environ.pop("MERGEPIPE_HOME", None)
-        else:
-            os.environ["MERGEPIPE_HOME"] = before
-
-
-def _demo_steps(out: Path, say: Callable[[str], None]) -> dict:
     """Index the demo family, plan it at 25%, merge it at 100% and 25%, verify both outputs and
-    compare the measured deviation with the bound."""
+    compare the measured deviation with the bound. All of its state is in its folder: the
+    catalog is `out/catalog.duckdb` (plans included)."""
     from mergepipe.devtools.demo import demo_config
     from mergepipe.flows.index_family import index_family
     from mergepipe.flows.merge import merge as merge_flow

@@ -108,3 +108,11 @@ def resident_bytes(path: Path) -> int:
         text=True,
     ).stdout.split()
     return int(out[0])
+
+
+def saved_plan(result: dict, catalog: str | None = None):
+    """The plan (and its output layout) that a plan or merge result names, from its catalog."""
+    from mergepipe.config.environment import catalog_location
+    from mergepipe.plan import saved
+
+    return saved.load(saved.PlanRef(result["plan_key"], catalog_location(catalog)))

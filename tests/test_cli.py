@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import duckdb
 import pytest
 from typer.testing import CliRunner
 
@@ -165,7 +166,8 @@ def test_demo_runs_end_to_end_and_its_bound_holds(tmp_path):
     result = runner.invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--json"])
     assert result.exit_code == 0, result.output
     assert (sorted(p.relative_to(home) for p in home.rglob("*")) if home.exists() else []) == before
-    assert os.environ["MERGEPIPE_HOME"] == str(home) and any((tmp_path / "demo" / "home" / "plans").iterdir())
+    with duckdb.connect(str(tmp_path / "demo" / "catalog.duckdb"), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM saved_plans").fetchall()[0][0] >= 2
     out = json.loads(result.stdout)  # progress lines go to stderr
     full, part = out["merges"]["full"], out["merges"]["25pct"]
     assert full["verified"] and part["verified"]

@@ -16,11 +16,10 @@ import pytest
 from mergepipe.execute import streamed
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
-from mergepipe.plan import saved
 from mergepipe.storage import reader as reader_module
 from mergepipe.storage.reader import RangeReader, ReadRequest
 
-from .helpers import config_for, evict, resident_bytes
+from .helpers import config_for, evict, resident_bytes, saved_plan
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -156,7 +155,7 @@ def test_merges_read_directly_and_stepped_give_the_same_bytes(method, bf16_famil
     assert asked <= sum(returned) <= asked + 2 * PAGE * len(spy.ranges)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 200)
-    budget = 2 * max(n.least for n in memory.tensor_needs(*saved.load(plain["plan_dir"])))
+    budget = 2 * max(n.least for n in memory.tensor_needs(*saved_plan(plain, catalog)))
     in_runs = merge(config=str(cfg), out=str(tmp_path / "streamed"), catalog=catalog, memory=str(budget))
     assert in_runs["digest"] == plain["digest"] and in_runs["bytes"] == plain["bytes"]
 

@@ -19,9 +19,8 @@ from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
 from mergepipe.operators import OPERATORS, slabs
-from mergepipe.plan import saved
 
-from .helpers import catalog_problems, replace_model
+from .helpers import catalog_problems, replace_model, saved_plan
 from .reference import load_model
 
 # method: (per-model parameters, experts used, shared parameters)
@@ -130,7 +129,7 @@ def test_first_merge_indexes_in_one_pass_with_the_two_pass_digest(family, tmp_pa
     monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
-    needs = memory.tensor_needs(*saved.load(two["plan_dir"]))
+    needs = memory.tensor_needs(*saved_plan(two, two_cat))
     largest = max(needs, key=lambda n: n.whole)
     per_group = max(2 * max(n.least for n in needs), largest.whole // 4)
     # a first merge leaves INDEXING_SHARE of the budget to the statistics
@@ -165,15 +164,15 @@ def test_a_new_expert_beside_indexed_ones_is_indexed_by_the_merge(family, tmp_pa
     want = merge(config=str(cfg), out=str(tmp_path / "want"), catalog=ref)
     assert got["digest"] == want["digest"]
     assert got["indexed_in_merge"]["experts"] == ["expert-2"]
-    plan, _ = saved.load(want["plan_dir"])
+    plan, _ = saved_plan(want, ref)
     third = full_bytes(family, 3) - full_bytes(family, 2)
     indexed_two = plan.planned_bytes[0] + plan.planned_bytes[1]
     assert got["bytes"]["expert"] + got["bytes"]["index"] == indexed_two + third
     assert catalog_rows(cat) == catalog_rows(ref)
     # a first merge's groups share the budget less the part left to the statistics
     budget = 1 << 30
-    plain = memory.plan_memory(plan, saved.load(want["plan_dir"])[1], budget, 2)
-    shared = memory.plan_memory(plan, saved.load(want["plan_dir"])[1], budget, 2, indexing=True)
+    plain = memory.plan_memory(plan, saved_plan(want, ref)[1], budget, 2)
+    shared = memory.plan_memory(plan, saved_plan(want, ref)[1], budget, 2, indexing=True)
     usable = budget - int(budget * memory.INDEXING_SHARE)
     assert shared.per_group == (usable - memory.PROCESS_BYTES) // shared.workers < plain.per_group
     assert shared.budget == plain.budget == budget and got["memory"]["memory_budget"] == want["memory"]["memory_budget"]

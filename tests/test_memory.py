@@ -19,7 +19,7 @@ from mergepipe.operators import slabs
 from mergepipe.operators.rows import as_rows
 from mergepipe.plan import choose, saved
 
-from .helpers import config_for
+from .helpers import config_for, saved_plan
 from .reference import load_model
 
 runner = CliRunner()
@@ -40,7 +40,7 @@ def test_streamed_merges_equal_whole_merges_bit_for_bit(
     assert whole["memory"]["workers"] == 2  # the default budget holds every tensor whole
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", slab)
-    needs = memory.tensor_needs(*saved.load(whole["plan_dir"]))
+    needs = memory.tensor_needs(*saved_plan(whole, session_catalog))
     budget = 2 * max(n.least for n in needs)  # two groups at once, each at its least
     streamed_runs = []
     real = streamed.merge_streamed
@@ -92,7 +92,7 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     whole = merge(config=str(cfg), out=str(tmp_path / "whole"), catalog=session_catalog)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
-    needs = memory.tensor_needs(*saved.load(whole["plan_dir"]))
+    needs = memory.tensor_needs(*saved_plan(whole, session_catalog))
     largest = max(needs, key=lambda n: n.whole)
     per_group = max(2 * max(n.least for n in needs), int(largest.whole * share))
     merged = []
@@ -112,7 +112,7 @@ def test_windowed_merges_equal_whole_merges_and_count_what_they_read_again(
     assert got["bytes"]["base"] == whole["bytes"]["base"] and whole["bytes"]["reread"] == 0
     reread, predicted = got["bytes"]["reread"], got["memory"]["reread_bytes_max"]
     # every method here makes two passes or more (DARE and DELLA rescale by default)
-    plan, layout = saved.load(got["plan_dir"])
+    plan, layout = saved_plan(got, session_catalog)
     assert memory.tensor_need(plan, layout, largest.group, largest.name).passes >= 2
     assert reread <= predicted and (reread > 0) == (predicted > 0)
     # without windows kept, later passes read again; with half the tensor's share kept, the
@@ -129,7 +129,7 @@ def test_plans_bound_each_large_tensors_nonzero_deltas_by_its_read_blocks_differ
     monkeypatch.setattr(choose, "NONZERO_BOUND_BYTES", 0)
     saved.forget()
     cfg = config_for(tmp_path, bf16_family, "ties", density=0.5, budget="40%")
-    plan, _ = saved.load(merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)["plan_dir"])
+    plan, _ = saved_plan(merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog), session_catalog)
     base = load_model(bf16_family.base)
     experts = [load_model(e) for e in bf16_family.experts]
     access = plan.access.to_pylist()
@@ -215,7 +215,7 @@ def test_groups_that_must_be_held_whole_run_one_at_a_time_when_two_do_not_fit(
     full = merge(config=str(cfg), out=str(tmp_path / "two"), catalog=session_catalog)
     assert full["memory"]["workers"] == 2
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
-    largest = max(n.whole for n in memory.tensor_needs(*saved.load(full["plan_dir"])))
+    largest = max(n.whole for n in memory.tensor_needs(*saved_plan(full, session_catalog)))
     one = merge(config=str(cfg), out=str(tmp_path / "one"), catalog=session_catalog, memory=str(int(largest * 1.5)))
     assert one["memory"]["workers"] == 1 and one["digest"] == full["digest"]
 
@@ -408,7 +408,7 @@ def test_the_executor_merges_each_tensor_in_the_form_the_rule_gives(
     plain = merge(config=str(cfg), out=str(tmp_path / "plain"), catalog=session_catalog)
     monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
     monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
-    plan, layout = saved.load(plain["plan_dir"])
+    plan, layout = saved_plan(plain, session_catalog)
     needs = memory.tensor_needs(plan, layout)
     per_group = 2 * max(n.least for n in needs)
     taken: dict[str, Form] = {}

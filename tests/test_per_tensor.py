@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mergepipe.catalog import db
+from mergepipe.config.environment import catalog_location
 from mergepipe.config.spec import load_spec
 from mergepipe.devtools.synthetic import make_family, write_model
 from mergepipe.errors import BadInput
@@ -32,10 +33,12 @@ from mergepipe.plan import saved
 from mergepipe.plan.output import output_layout_of
 from mergepipe.plan.params import resolve_params, resolve_tensor_params
 from mergepipe.plan.record import ACCESS_SCHEMA, Plan, access_set_sha256
-from mergepipe.storage import model_files
+from mergepipe.storage import model_files, plans
 from mergepipe.storage.canonical import json_bytes, sha256_hex
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES, build_header
+
+from .helpers import saved_plan
 
 
 def test_parameters_resolved_per_kind_equal_each_tensor_resolved_alone(tmp_path):
@@ -113,15 +116,20 @@ def test_a_plan_records_a_layout_its_models_share_once(tmp_path):
     cfg = tmp_path / "merge.yaml"
     models = [{"model": str(e), "parameters": {"weight": 0.5}} for e in fam.experts]
     cfg.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": str(fam.base), "models": models}))
-    result = plan_flow(config=str(cfg), catalog=str(tmp_path / "catalog.duckdb"))
-    record = json.loads(open(f"{result['plan_dir']}/plan.json").read())
+    catalog = str(tmp_path / "catalog.duckdb")
+    result = plan_flow(config=str(cfg), catalog=catalog)
+    with duckdb.connect(catalog, read_only=True) as con:
+        stored = con.execute(
+            "SELECT record, access FROM saved_plans WHERE plan_key = ?", [result["plan_key"]]
+        ).fetchall()
+    record, _ = plans.decode_plan(*stored[0])
     assert [("tensors_as" in i, "tensors" in i) for i in record["inputs"]] == [
         (False, True),
         (True, False),
         (True, False),
     ]
     saved.forget()
-    plan, _ = saved.load(result["plan_dir"])
+    plan, _ = saved_plan(result, catalog)
     assert plan.inputs[1].layout is plan.inputs[0].layout
     with RangeReader() as reader:
         family = load_family(str(fam.base), [str(e) for e in fam.experts], reader)
@@ -138,10 +146,11 @@ def test_an_output_layout_is_laid_out_once_per_input_layout_and_a_saved_plan_kep
     cfg = tmp_path / "merge.yaml"
     models = [{"model": str(e), "parameters": {"weight": 0.5}} for e in fam.experts]
     cfg.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": str(fam.base), "models": models}))
-    folder = plan_flow(config=str(cfg), catalog=str(tmp_path / "catalog.duckdb"))["plan_dir"]
+    catalog = str(tmp_path / "catalog.duckdb")
+    result = plan_flow(config=str(cfg), catalog=catalog)
     saved.forget()
-    plan, layout = saved.load(folder)
-    assert saved.load(folder)[0] is plan  # read once per process
+    plan, layout = saved_plan(result, catalog)
+    assert saved_plan(result, catalog)[0] is plan  # read once per process
     # Another plan of this Layout object (as a first merge's recorded plan is) takes its layout
     # as it is; other settings, or an equal Layout read again, are laid out anew.
     assert output_layout_of(dataclasses.replace(plan, plan_digest="x", budget_bytes=1)) is layout
@@ -152,7 +161,7 @@ def test_an_output_layout_is_laid_out_once_per_input_layout_and_a_saved_plan_kep
     assert again.inputs[0].tensors == plan.inputs[0].tensors
     assert output_layout_of(again) is not layout and output_layout_of(again) == layout
     # Saving keeps the plan as it was made; read back, it is the same record.
-    kept = saved.save(again, tmp_path / "plans")
+    kept = saved.save(again, catalog_location(str(tmp_path / "other.duckdb")))
     assert saved.load(kept)[0] is again
     saved.forget()
     assert saved.load(kept)[0] is not again and saved.load(kept)[0].as_json() == again.as_json()

@@ -13,11 +13,10 @@ import pytest
 
 from mergepipe.execute.group import group_regions
 from mergepipe.flows.merge import merge
-from mergepipe.plan import saved
 from mergepipe.publish.manifest import verify_output
 from mergepipe.storage.writer import GROUPS_DIR, staging_dir
 
-from .helpers import config_for
+from .helpers import config_for, saved_plan
 
 pytestmark = pytest.mark.slow
 
@@ -55,9 +54,7 @@ def test_killed_merge_resumes_with_the_same_digest_and_fewer_reads(bf16_family, 
     assert len(done) == 3
 
     # One finished group's staged bytes change after the crash: its cache entry must not be trusted.
-    _, layout = saved.load(
-        str(next((Path(os.environ["MERGEPIPE_HOME"]) / "plans").glob(f"{fresh['plan_digest'][:24]}-*")))
-    )
+    _, layout = saved_plan(fresh, session_catalog)
     shard, start, end = group_regions(layout, done[0])[0]
     with open(staging / shard, "r+b") as f:
         f.seek(start)

@@ -20,7 +20,7 @@ from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.publish.manifest import verify_output
-from mergepipe.storage import remote
+from mergepipe.storage import plans, remote
 from mergepipe.storage.model_files import MANIFEST_FILE
 
 from .helpers import config_for
@@ -477,14 +477,20 @@ def test_credentials_never_leak(s3, families, tmp_path):
     con = duckdb.connect(str(cat), read_only=True)
     tables = [r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()]
     catalog_text = "".join(str(con.execute(f'SELECT * FROM "{t}"').fetchall()) for t in tables)
+    saved_plans = con.execute("SELECT record, access FROM saved_plans").fetchall()
     con.close()
     assert "s3://ckpt/fam/base" in catalog_text  # the scan covers real rows
-    assert list(tmp_path.rglob("prefect.db")) and list(tmp_path.rglob("plan.json"))
+    # The saved plans, compressed in the catalog, searched as their layer tasks read them.
+    assert saved_plans
+    for record, access in saved_plans:
+        plan_record, access_table = plans.decode_plan(record, access)
+        catalog_text += json.dumps(plan_record) + str(access_table.to_pylist())
+    assert list(tmp_path.rglob("prefect.db"))
     stored = b"".join(p.read_bytes() for p in tmp_path.rglob("*") if p.is_file() and p != cfg)
     for where, text in [("logs", logs), ("manifest", manifest), ("catalog", catalog_text)]:
         assert secret not in text, where
         assert key_id not in text, where
-    assert secret.encode() not in stored  # plans, spool, Prefect's database, catalog file
+    assert secret.encode() not in stored  # Prefect's database, the catalog file
 
 
 def test_missing_credentials_are_a_clear_error(s3, families, catalog, tmp_path, monkeypatch):

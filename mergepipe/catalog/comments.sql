@@ -107,6 +107,12 @@ COMMENT ON COLUMN runs.header_bytes_read IS 'header bytes read';
 COMMENT ON COLUMN runs.output_bytes_written IS 'output bytes written';
 COMMENT ON COLUMN runs.flow_run_id IS 'the Prefect flow run, when there was one';
 
+COMMENT ON TABLE saved_plans IS 'every plan as its layer tasks load it, from any machine';
+COMMENT ON COLUMN saved_plans.plan_key IS 'the plan digest and its inputs'' locations (one plan over two copies of a family: two keys)';
+COMMENT ON COLUMN saved_plans.plan_digest IS 'plans.plan_digest';
+COMMENT ON COLUMN saved_plans.record IS 'the plan''s record: compact JSON, zstd-compressed after its 8-byte little-endian size';
+COMMENT ON COLUMN saved_plans.access IS 'the access set: Parquet';
+COMMENT ON COLUMN saved_plans.created_at IS 'when it was saved';
 COMMENT ON TABLE manifests IS 'the manifest of every published output';
 COMMENT ON COLUMN manifests.merge_digest IS 'the output''s digest';
 COMMENT ON COLUMN manifests.out_uri IS 'where it was published';

@@ -40,6 +40,23 @@ def _insert_plan(con: duckdb.DuckDBPyConnection, plan_digest: str) -> None:
     )
 
 
+def save_plan_record(con: duckdb.DuckDBPyConnection, key: str, plan_digest: str, record: bytes, access: bytes) -> None:
+    """A plan as its layer tasks load it (storage.plans), once per key."""
+    write(
+        con,
+        lambda: con.execute(
+            "INSERT OR IGNORE INTO saved_plans (plan_key, plan_digest, record, access, created_at) "
+            "VALUES (?, ?, ?, ?, current_timestamp)",
+            [key, plan_digest, record, access],
+        ),
+    )
+
+
+def plan_record(con: duckdb.DuckDBPyConnection, key: str) -> tuple[bytes, bytes] | None:
+    rows = con.execute("SELECT record, access FROM saved_plans WHERE plan_key = ?", [key]).fetchall()
+    return (bytes(rows[0][0]), bytes(rows[0][1])) if rows else None
+
+
 def explain(con: duckdb.DuckDBPyConnection, plan_digest: str, base_fp: str, block_size: int) -> list[dict]:
     rel = con.execute(
         sql_text("explain.sql"), {"plan_digest": plan_digest, "base_fp": base_fp, "block_size": block_size}

@@ -112,6 +112,15 @@ CREATE TABLE IF NOT EXISTS access_sets (
     score        DOUBLE NOT NULL
 );
 
+-- Plans as layer tasks load them, on any machine: record and access set, by plan key.
+CREATE TABLE IF NOT EXISTS saved_plans (
+    plan_key     VARCHAR PRIMARY KEY,
+    plan_digest  VARCHAR NOT NULL,
+    record       BLOB NOT NULL,
+    access       BLOB NOT NULL,
+    created_at   TIMESTAMP NOT NULL DEFAULT current_timestamp
+);
+
 CREATE TABLE IF NOT EXISTS runs (
     run_id         VARCHAR PRIMARY KEY,
     kind           VARCHAR NOT NULL,          -- merge | replay

@@ -87,11 +87,6 @@ def catalog_location(given: str | Path | None = None) -> CatalogLocation:
     return CatalogLocation(path=home() / "catalog.duckdb")
 
 
-def plans_root() -> Path:
-    """Where saved plans live for the layer tasks to load."""
-    return home() / "plans"
-
-
 def machine_memory() -> int:
     """Bytes of memory this process may use: the machine's RAM, or its cgroup's limit if lower."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -20,6 +20,8 @@ from mergepipe.errors import BadInput
 from mergepipe.operators import ParamTable, get_operator
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
+from mergepipe.storage import remote
+from mergepipe.storage.location import is_remote
 from mergepipe.storage.safetensors_format import DTYPES
 
 # A base tensor up to this many fp32 bytes is widened whole by the slab forms (execute.whole).
@@ -189,32 +191,47 @@ def reread_bytes(need: TensorNeed, per_group: int) -> int:
     return (need.passes - 1) * max(0, need.numel * need.read_per_element - keep)
 
 
+def output_buffer(out: str | None) -> int:
+    """What a group holds to write its output besides its tensors: to an object store, a part
+    of its upload being filled and one being sent (storage.remote.open_writer); nothing when it
+    writes in place to a local file (or when no output is known yet, as for `plan`)."""
+    return 2 * max(remote.PART_SIZE, 5 << 20) if out is not None and is_remote(out) else 0
+
+
 def plan_memory(
-    plan: Plan, layout: OutputLayout, budget: int, workers: int, given: bool = True, indexing: bool = False
+    plan: Plan,
+    layout: OutputLayout,
+    budget: int,
+    workers: int,
+    given: bool = True,
+    indexing: bool = False,
+    out_buffer: int = 0,
 ) -> MemoryPlan:
     """The most groups at once (up to `workers`) whose merges fit the budget together. Where
     even one group cannot fit: BadInput naming the tensor when the budget was given (--memory,
     the config, a deployment parameter), a warning when it is the default (the prediction is
     an estimate, and a merge that fits today is not refused on it). With `indexing` (a first
-    merge that indexes on the way) the groups share the budget less INDEXING_SHARE of it."""
+    merge that indexes on the way) the groups share the budget less INDEXING_SHARE of it.
+    `out_buffer`: what each group holds to write its output (output_buffer)."""
     usable = budget - int(budget * INDEXING_SHARE) if indexing else budget
     needs = tensor_needs(plan, layout)
     if not needs:
         return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None)
     hardest = max(needs, key=lambda n: n.least)
     warning = None
-    if PROCESS_BYTES + hardest.least > usable:
+    if PROCESS_BYTES + out_buffer + hardest.least > usable:
         how = "in windows of rows" if hardest.streams else f"whole ({plan.merge_method} holds the whole tensor)"
         problem = (
             f"memory budget {_gib(budget)} is too small: tensor {hardest.name!r} merged {how} needs "
-            f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES)}"
+            f"{_gib(hardest.least)} besides the process's {_gib(PROCESS_BYTES + out_buffer)}"
         )
         if given:
-            raise BadInput(f"{problem}; give --memory {_gib(PROCESS_BYTES + hardest.least, up=True)} or more")
+            need = PROCESS_BYTES + out_buffer + hardest.least
+            raise BadInput(f"{problem}; give --memory {_gib(need, up=True)} or more")
         warning = f"{problem} (the default budget, half of this machine's memory; the merge goes ahead)"
     workers = max(1, min(workers, len(layout.groups)))
     while True:
-        per_group = (usable - PROCESS_BYTES) // workers
+        per_group = (usable - PROCESS_BYTES) // workers - out_buffer
         if workers == 1 or all(n.parts or n.whole <= per_group for n in needs):
             break
         workers -= 1
@@ -224,7 +241,7 @@ def plan_memory(
     peaks = sorted(by_group.values(), reverse=True)[:workers]
     largest = max(needs, key=lambda n: held(n, per_group))
     reread = sum(reread_bytes(n, per_group) for n in needs)
-    peak = PROCESS_BYTES + sum(peaks) + budget - usable
+    peak = PROCESS_BYTES + sum(peaks) + len(peaks) * out_buffer + budget - usable
     return MemoryPlan(budget, workers, max(0, per_group), peak, largest, warning, reread)
 
 

@@ -17,7 +17,7 @@ from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.execute.group import GroupResult, finished_group
-from mergepipe.execute.memory import MemoryPlan, plan_memory
+from mergepipe.execute.memory import MemoryPlan, output_buffer, plan_memory
 from mergepipe.flows.artifacts import summary_artifact
 from mergepipe.flows.executor import run_groups
 from mergepipe.flows.orchestration import in_process, run_task
@@ -175,7 +175,7 @@ class Execution:
 
     request: MergeRequest
     plan: Plan
-    plan_dir: str
+    saved_plan: saved.PlanRef  # where the plan is saved, for the tasks
     kind: str  # "merge" or "replay"
     index_ledger: ByteLedger
     timings: dict
@@ -214,7 +214,7 @@ class _GroupResults:
 def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: MemoryPlan) -> None:
     """Every layer group as its own task; a group an earlier run of this plan finished (a crash
     left its staging folder) is taken over while its mark and staged bytes are intact."""
-    _, layout = saved.load(ex.plan_dir)
+    _, layout = saved.load(ex.saved_plan)
     rep = results.rep
     groups = list(layout.groups)
     rep.start("merge", len(groups), "groups")
@@ -229,7 +229,7 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
                 todo.append(g)
         params = [
             {
-                "plan_dir": ex.plan_dir,
+                "saved_plan": ex.saved_plan,
                 "group": g,
                 "staging": staging,
                 "options_from": ex.request.options_from,
@@ -260,7 +260,7 @@ def index_from_merge(ex: Execution, results: _GroupResults) -> dict:
     if problem:  # refused before ingestion, as the statistics pass refuses it
         raise BadInput(problem)
     run_task(ingest_block_stats, first.family, first.positions, spec.block_size_bytes, result, ex.request.catalog)
-    ex.plan, _, ex.plan_dir, _ = run_task(
+    ex.plan, _, ex.saved_plan, _ = run_task(
         plan_merge, spec, first.family, {**first.content, **result.content}, ex.request.catalog
     )
     check_recorded_plan(executed.access, ex.plan.access, result.stats, first.family.expert_fps())
@@ -292,12 +292,18 @@ def execute_plan(ex: Execution) -> dict:
     # Refused before anything is staged or read when even one group at a time cannot fit. Made
     # once per merge, and passed down to every group unchanged.
     memory = ex.memory or plan_memory(
-        plan, saved.load(ex.plan_dir)[1], request.memory, worker_count(), request.memory_given, ex.first is not None
+        plan,
+        saved.load(ex.saved_plan)[1],
+        request.memory,
+        worker_count(),
+        request.memory_given,
+        ex.first is not None,
+        output_buffer(out),
     )
     if memory.warning:
         log.warning(memory.warning)
     freeze_long_lived()  # the plan and its layout
-    staging = run_task(stage_output, ex.plan_dir, out)
+    staging = run_task(stage_output, ex.saved_plan, out)
     results = _GroupResults(progress.reporter())
     ledger, resumed = results.ledger, results.resumed
     runner = describe(request.runner, memory.workers)
@@ -317,7 +323,7 @@ def execute_plan(ex: Execution) -> dict:
             plan, expert_read = ex.plan, ledger.total("expert")
             ex.timings["index_in_merge"] = time.perf_counter() - t_index
         t_finish = time.perf_counter()
-        output, rows = run_task(finish_output, ex.plan_dir, staging)
+        output, rows = run_task(finish_output, ex.saved_plan, staging)
         ledger.merge(rows)
         ex.timings["finish"] = time.perf_counter() - t_finish
         run = {
@@ -343,7 +349,7 @@ def execute_plan(ex: Execution) -> dict:
         if ex.first is not None:
             run["indexed_in_merge"] = indexed
         manifest, rows = run_task(
-            publish_output, ex.plan_dir, staging, out, request.overwrite, output, run, ex.expected_digest
+            publish_output, ex.saved_plan, staging, out, request.overwrite, output, run, ex.expected_digest
         )
         ledger.merge(rows)
     except BaseException:
@@ -374,7 +380,7 @@ def execute_plan(ex: Execution) -> dict:
         "kind": ex.kind,
         "digest": manifest["digest"],
         "plan_digest": plan.plan_digest,
-        "plan_dir": ex.plan_dir,
+        "plan_key": ex.saved_plan.key,
         "out": out,
         "manifest": join(out, MANIFEST_FILE),
         "merge_method": plan.merge_method,

@@ -8,7 +8,7 @@ from mergepipe.config.environment import worker_count
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput
-from mergepipe.execute.memory import plan_memory
+from mergepipe.execute.memory import output_buffer, plan_memory
 from mergepipe.flows.artifacts import plan_artifact
 from mergepipe.flows.common import Execution, FirstMerge, execute_plan, now, run_index
 from mergepipe.flows.orchestration import declare_flow, run_task
@@ -39,7 +39,7 @@ def plan(
         config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty, memory=memory
     )
     outcome = run_index(request.spec, request.catalog)
-    p, explain, plan_dir, warnings = run_task(
+    p, explain, saved_plan, warnings = run_task(
         plan_merge, request.spec, outcome.family, outcome.content, request.catalog, refuse_empty=False
     )
     try:  # a merge refuses a budget its largest tensor cannot fit; a plan says so
@@ -47,16 +47,16 @@ def plan(
         warnings = [*warnings, mem["warning"]] if mem["warning"] else warnings
     except BadInput as err:
         mem, warnings = {"memory_budget": request.memory}, [*warnings, str(err)]
-    result = {**plan_result(p, request.spec, explain, plan_dir), "memory": mem, "warnings": warnings}
+    result = {**plan_result(p, request.spec, explain, saved_plan), "memory": mem, "warnings": warnings}
     plan_artifact(result)
     return result
 
 
-def plan_result(p, spec: MergeSpec, explain: list[dict], plan_dir: str) -> dict:
+def plan_result(p, spec: MergeSpec, explain: list[dict], saved_plan: saved.PlanRef) -> dict:
     names = {row["expert"]: row["name"] for row in explain}
     return {
         "plan_digest": p.plan_digest,
-        "plan_dir": plan_dir,
+        "plan_key": saved_plan.key,
         "merge_method": spec.merge_method,
         "experts": spec.expert_uris,
         # display names (catalog models.name), by position
@@ -110,12 +110,13 @@ def merge(
     t_plan = time.perf_counter()
     first = mem = None
     if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
-        p, plan_dir = run_task(
+        p, saved_plan = run_task(
             plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
         )
         try:
+            layout, buffer = saved.load(saved_plan)[1], output_buffer(request.out)
             mem = plan_memory(
-                p, saved.load(plan_dir)[1], request.memory, worker_count(), request.memory_given, indexing=True
+                p, layout, request.memory, worker_count(), request.memory_given, indexing=True, out_buffer=buffer
             )
         except BadInput:  # too small for the statistics beside the merge: the two passes may fit
             mem = None
@@ -127,10 +128,10 @@ def merge(
             outcome.ledger.merge(headers.rows())  # the headers were read twice
             t_plan = time.perf_counter()
     if first is None:
-        p, explain, plan_dir, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
-        plan_artifact(plan_result(p, request.spec, explain, plan_dir))
+        p, explain, saved_plan, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
+        plan_artifact(plan_result(p, request.spec, explain, saved_plan))
     timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
     memory = mem if first is not None else None  # the plan the decision was made on
     return execute_plan(
-        Execution(request, p, plan_dir, "merge", outcome.ledger, timings, started, t0, first=first, memory=memory)
+        Execution(request, p, saved_plan, "merge", outcome.ledger, timings, started, t0, first=first, memory=memory)
     )

@@ -5,8 +5,8 @@ Prefect 3 has no serverless mode: with no PREFECT_API_URL it starts a temporary 
 every process, which takes longer than a small merge (docs/benchmarks.md, fixed costs). So with no API
 configured, mergepipe runs a flow's plain function and calls each task's plain function with the
 same retry rule; Prefect is then never imported. What Prefect adds is then absent: the UI's
-runs and artifacts, and the task result cache. A killed merge still resumes: finished layer
-groups are found from their marks in the staging folder.
+runs and artifacts. Nothing else depends on it: statistics and plans are kept in the catalog,
+and a killed merge resumes from the group marks in its staging.
 
 MERGEPIPE_ORCHESTRATION: "prefect" runs flows with Prefect even with no API (its temporary
 server), "local" runs them in process even with one; unset: Prefect exactly when an API is

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 
-from mergepipe.config.environment import plans_root
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import validate_spec
 from mergepipe.errors import BadInput
@@ -60,9 +59,17 @@ def replay(
         raise BadInput(
             f"{manifest_uri(manifest)}: the access set and spec give plan {p.plan_digest}, the manifest records {plan_content['plan_digest']}"
         )
-    plan_dir = saved.save(p, plans_root())
+    saved_plan = saved.save(p, request.catalog)
     return execute_plan(
         Execution(
-            request, p, plan_dir, "replay", outcome.ledger, {"index": outcome.seconds}, started, t0, recorded["digest"]
+            request,
+            p,
+            saved_plan,
+            "replay",
+            outcome.ledger,
+            {"index": outcome.seconds},
+            started,
+            t0,
+            recorded["digest"],
         )
     )

@@ -1,10 +1,10 @@
 """Where layer-group tasks run: the flow's own thread pool, or a Dask cluster (prefect-dask).
 
-Dask workers read their inputs straight from storage and write their group's bytes at its
-place in the staging folder, so the output is the same whichever worker ran which group.
-They need what the flow's process has: MERGEPIPE_HOME (saved plans) and the
-staging folder at the same paths, and credentials for the inputs in their environment or in
-the config's storage_options."""
+Dask workers load the plan from the catalog, read their inputs straight from storage and write
+their group's bytes at its place in the staging, so the output is the same whichever worker ran
+which group. They need the catalog (a shared one, or a DuckDB file at the same path), the
+output's store (s3://, or a shared file system for a local output), and credentials for the
+inputs in their environment or in the config's storage_options."""
 
 from __future__ import annotations
 

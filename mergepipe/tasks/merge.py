@@ -23,10 +23,10 @@ from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_l
 
 
 @declare_task("stage-output", **STORAGE_RETRIES)
-def stage_output(plan_dir: str, out: str) -> str:
+def stage_output(saved_plan: saved.PlanRef, out: str) -> str:
     """The staging's location (storage.staging), named by the plan: a merge run again after a
     crash, on any machine, keeps what its first run staged."""
-    plan, layout = saved.load(plan_dir)
+    plan, layout = saved.load(saved_plan)
     staging = staging_for(out, plan.plan_digest)
     staging.open([(s.name, s.header, s.size) for s in layout.shards])
     return staging.location
@@ -34,7 +34,7 @@ def stage_output(plan_dir: str, out: str) -> str:
 
 @declare_task("merge-layer-group", task_run_name="merge-layer-group[{group}]", **STORAGE_RETRIES)
 def merge_layer_group(
-    plan_dir: str,
+    saved_plan: saved.PlanRef,
     group: str,
     staging: str,
     options_from: str | None = None,
@@ -51,7 +51,7 @@ def merge_layer_group(
     `index`: expert positions indexed from the bytes the merge reads (a first merge)."""
     if options_from is not None and not storage_options_set():
         set_storage_options(storage_options_of(options_from))
-    plan, layout = saved.load(plan_dir)
+    plan, layout = saved.load(saved_plan)
     freeze_long_lived()
     where = staging_at(staging)
     result = merge_group(plan, layout, group, where, memory, index, f"{socket.gethostname()}:{os.getpid()}")
@@ -60,10 +60,10 @@ def merge_layer_group(
 
 
 @declare_task("write-output-files", **STORAGE_RETRIES)
-def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
+def finish_output(saved_plan: saved.PlanRef, staging: str) -> tuple[dict, list[dict]]:
     """Index, sidecars, access set and checksums; first, a check that no input changed while
     its bytes were being read (a merge of two versions of a file is never published)."""
-    plan, layout = saved.load(plan_dir)
+    plan, layout = saved.load(saved_plan)
     changed = changed_inputs(plan)
     if changed:
         raise BadInput(
@@ -78,13 +78,19 @@ def finish_output(plan_dir: str, staging: str) -> tuple[dict, list[dict]]:
 
 @declare_task("publish-output", **STORAGE_RETRIES)
 def publish_output(
-    plan_dir: str, staging: str, out: str, overwrite: bool, output: dict, run: dict, expected_digest: str | None = None
+    saved_plan: saved.PlanRef,
+    staging: str,
+    out: str,
+    overwrite: bool,
+    output: dict,
+    run: dict,
+    expected_digest: str | None = None,
 ) -> tuple[dict, list[dict]]:
     """Write the manifest into staging and publish (a rename; in an object store, shards
     joined from their staged pieces and the manifest last).
     With expected_digest (replay), a merge that does not reproduce it is never published.
     Returns the manifest and the ledger rows of the upload."""
-    plan, _ = saved.load(plan_dir)
+    plan, _ = saved.load(saved_plan)
     manifest = build_manifest(plan, output, run)
     if expected_digest is not None and manifest["digest"] != expected_digest:
         raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mergepipe.config.environment import CatalogLocation, plans_root
+from mergepipe.config.environment import CatalogLocation
 from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
 from mergepipe.plan import saved
@@ -14,16 +14,16 @@ from mergepipe.tasks.declare import declare_task
 @declare_task("plan-merge")
 def plan_merge(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, refuse_empty: bool = True
-) -> tuple[Plan, list[dict], str, list[str]]:
-    """Returns the plan, its explain rows, the folder it was saved in, and its warnings."""
+) -> tuple[Plan, list[dict], saved.PlanRef, list[str]]:
+    """Returns the plan, its explain rows, where it is saved (in the catalog), and its warnings."""
     plan, explain, warnings = choose_plan(spec, family, content, catalog, refuse_empty=refuse_empty)
-    return plan, explain, saved.save(plan, plans_root()), warnings
+    return plan, explain, saved.save(plan, catalog), warnings
 
 
 @declare_task("plan-first-merge")
 def plan_first_merge(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, unindexed: list[int]
-) -> tuple[Plan, str]:
-    """The plan of a first merge that indexes on the way (plan.choose.full_read_plan), and its folder."""
+) -> tuple[Plan, saved.PlanRef]:
+    """The plan of a first merge that indexes on the way (plan.choose.full_read_plan), and where it is saved."""
     plan = full_read_plan(spec, family, content, catalog, unindexed)
-    return plan, saved.save(plan, plans_root())
+    return plan, saved.save(plan, catalog)
