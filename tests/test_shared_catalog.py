@@ -405,3 +405,56 @@ def test_a_shared_catalog_of_an_earlier_schema_is_upgraded_in_place(pg_catalog):
         assert con.execute("SELECT value FROM catalog_meta WHERE key = 'schema_version'").fetchall() == [("4",)]
         names = con.execute("SELECT model_fp, name FROM models ORDER BY model_fp").fetchall()
     assert names == [("a", "run1/ckpt"), ("b", "run2/ckpt"), ("c", "x/base"), ("d", "bucket/base")]
+
+
+@pytest.mark.slow
+def test_a_first_merge_holds_its_claims_until_its_statistics_land(pg_catalog, tmp_path, monkeypatch):
+    """A merge that indexes new experts on the way claims them for as long as it runs (a client
+    starting meanwhile waits for its statistics instead of reading them); they go when it ends."""
+    from mergepipe.tasks import merge as merge_tasks
+
+    fam = _family(tmp_path / "fam")
+    cfg = write_config(tmp_path / "m.yaml", fam, "task_arithmetic", weights=[0.5, 0.8], block_size="1KiB")
+    seen = []
+    real = merge_tasks.merge_group
+
+    def counting(*args, **kwargs):
+        seen.append(_rows(pg_catalog, "SELECT count(*) FROM index_claims")[0][0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(merge_tasks, "merge_group", counting)
+    got = merge(config=str(cfg), out=str(tmp_path / "out"), budget="100%", catalog=pg_catalog)
+    assert "indexed_in_merge" in got and got["index_bytes"]["expert"] == 0
+    assert seen and set(seen) == {2}
+    assert _rows(pg_catalog, "SELECT count(*) FROM index_claims") == [(0,)]
+
+
+@pytest.mark.slow
+def test_a_first_merge_and_an_index_at_once_read_each_expert_once(pg_catalog, tmp_path):
+    """Whichever claims first indexes; the other waits for its statistics."""
+    fam = _family(tmp_path / "fam")
+    cfg = write_config(tmp_path / "m.yaml", fam, "task_arithmetic", weights=[0.5, 0.8], block_size="1KiB")
+    commands = [["merge", str(cfg), "--out", str(tmp_path / "out"), "--budget", "100%"], ["index", str(cfg)]]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mergepipe.cli", *cmd, "--catalog", pg_catalog, "--json"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        for cmd in commands
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [err for _, err in outs]
+    merged, indexed = (json.loads(out) for out, _ in outs)
+    in_merge = merged["bytes"]["expert"] + merged["bytes"]["index"] if "indexed_in_merge" in merged else 0
+    full = _expert_bytes(fam.experts[0]) + _expert_bytes(fam.experts[1])
+    assert merged["index_bytes"]["expert"] + in_merge + indexed["bytes"]["expert"] == full
+    assert (
+        merged["digest"]
+        == merge(config=str(cfg), out=str(tmp_path / "alone"), budget="100%", catalog=str(tmp_path / "a.duckdb"))[
+            "digest"
+        ]
+    )
+    assert _rows(pg_catalog, "SELECT count(*) FROM index_claims") == [(0,)]
+    assert catalog_problems(pg_catalog) == []

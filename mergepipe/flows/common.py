@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
@@ -74,15 +74,18 @@ class IndexOutcome:
     indexed: list[int]  # expert positions indexed in this run
     ledger: ByteLedger = field(default_factory=ByteLedger)
     seconds: float = 0.0
-    # The experts at `indexed` are left for the merge to index on the way (run_index's first_merge).
+    # The experts at `indexed` are left for the merge to index on the way (run_index's first_merge),
+    # claimed for it in a shared catalog until `held` is closed (after their statistics land).
     deferred: bool = False
+    held: ExitStack = field(default_factory=ExitStack)
 
 
 def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = False) -> IndexOutcome:
     """Read the headers and index the experts the catalog lacks. With first_merge (a merge),
     experts not yet indexed are left to the merge when its plan reads every block anyway
     (plan.choose.reads_every_block): it indexes them from the bytes it reads, so no expert byte
-    is read twice."""
+    is read twice. Their claims are then held (the outcome's `held`, which the caller closes)
+    until the merge has recorded their statistics."""
     t0 = time.perf_counter()
     ledger = ByteLedger()
     family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
@@ -101,7 +104,12 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
             missing.append(i)
             seen.add(fp)
     if missing and first_merge and reads_every_block(spec, family):
-        return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0, deferred=True)
+        held = ExitStack()
+        _, others = held.enter_context(claiming(catalog, family, missing, bs))
+        if not others:
+            return IndexOutcome(family, content, missing, ledger, time.perf_counter() - t0, deferred=True, held=held)
+        held.close()  # another client is indexing some of them: wait for it, and index the rest first
+
     indexed: list[int] = []
 
     def index_pass(positions: list[int]) -> None:

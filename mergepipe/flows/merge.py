@@ -107,31 +107,33 @@ def merge(
         memory=memory,
     )
     outcome = run_index(request.spec, request.catalog, first_merge=True)
-    t_plan = time.perf_counter()
-    first = mem = None
-    if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
-        p, saved_plan = run_task(
-            plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
-        )
-        try:
-            layout, buffer = saved.load(saved_plan)[1], output_buffer(request.out)
-            mem = plan_memory(
-                p, layout, request.memory, worker_count(), request.memory_given, indexing=True, out_buffer=buffer
+    with outcome.held:  # a first merge's claims on the experts it indexes, until their statistics land
+        t_plan = time.perf_counter()
+        first = mem = None
+        if outcome.deferred:  # indexed on the way (flows.common.index_from_merge); the plan reads every block
+            p, saved_plan = run_task(
+                plan_first_merge, request.spec, outcome.family, outcome.content, request.catalog, outcome.indexed
             )
-        except BadInput:  # too small for the statistics beside the merge: the two passes may fit
-            mem = None
-        if mem is not None and mem.reread_max == 0:
-            first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
-        else:  # tensors merged in passes over windows would be read again (or it cannot fit): index first
-            headers = outcome.ledger
-            outcome = run_index(request.spec, request.catalog)
-            outcome.ledger.merge(headers.rows())  # the headers were read twice
-            t_plan = time.perf_counter()
-    if first is None:
-        p, explain, saved_plan, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
-        plan_artifact(plan_result(p, request.spec, explain, saved_plan))
-    timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
-    memory = mem if first is not None else None  # the plan the decision was made on
-    return execute_plan(
-        Execution(request, p, saved_plan, "merge", outcome.ledger, timings, started, t0, first=first, memory=memory)
-    )
+            try:
+                layout, buffer = saved.load(saved_plan)[1], output_buffer(request.out)
+                mem = plan_memory(
+                    p, layout, request.memory, worker_count(), request.memory_given, indexing=True, out_buffer=buffer
+                )
+            except BadInput:  # too small for the statistics beside the merge: the two passes may fit
+                mem = None
+            if mem is not None and mem.reread_max == 0:
+                first = FirstMerge(outcome.family, outcome.indexed, outcome.content)
+            else:  # tensors merged in passes over windows would be read again (or it cannot fit): index first
+                outcome.held.close()
+                headers = outcome.ledger
+                outcome = run_index(request.spec, request.catalog)
+                outcome.ledger.merge(headers.rows())  # the headers were read twice
+                t_plan = time.perf_counter()
+        if first is None:
+            p, explain, saved_plan, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
+            plan_artifact(plan_result(p, request.spec, explain, saved_plan))
+        timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
+        memory = mem if first is not None else None  # the plan the decision was made on
+        return execute_plan(
+            Execution(request, p, saved_plan, "merge", outcome.ledger, timings, started, t0, first=first, memory=memory)
+        )

@@ -35,9 +35,6 @@ from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
 
-# Changes when the pass's result changes shape (2: base block energies), so cached results of
-# an earlier release are not reused.
-STATS_FORMAT = 2
 STATS_SCHEMA = pa.schema(
     [
         ("expert_fp", pa.string()),
