@@ -130,7 +130,9 @@ def merge(
                 outcome.ledger.merge(headers.rows())  # the headers were read twice
                 t_plan = time.perf_counter()
         if first is None:
-            p, explain, saved_plan, _ = run_task(plan_merge, request.spec, outcome.family, outcome.content, request.catalog)
+            p, explain, saved_plan, _ = run_task(
+                plan_merge, request.spec, outcome.family, outcome.content, request.catalog
+            )
             plan_artifact(plan_result(p, request.spec, explain, saved_plan))
         timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
         memory = mem if first is not None else None  # the plan the decision was made on
