@@ -6,8 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from mergepipe.catalog import db, planner, records
-from mergepipe.config.environment import CatalogLocation
+from mergepipe.catalog import planner, records
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.index.blocks import block_rows, row_elems
@@ -69,81 +68,86 @@ def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: l
 
 
 def choose_plan(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, *, refuse_empty: bool = True
+    spec: MergeSpec,
+    family: Family,
+    content: dict[str, str],
+    con,
+    *,
+    refuse_empty: bool = True,
 ) -> tuple[Plan, list[dict], list[str]]:
     """The plan, its explain rows (per layer and expert: bytes selected, energy captured) and its
-    warnings. A byte budget that admits no expert block is refused (refuse_empty, as a merge
-    does) or only warned about (as `plan` does), unless the spec allows it."""
+    warnings, chosen and recorded over the catalog connection `con`. A byte budget that admits no
+    expert block is refused (refuse_empty, as a merge does) or only warned about (as `plan`
+    does), unless the spec allows it."""
     op = get_operator(spec.merge_method)
     table = resolve_tensor_params(spec, family.base.tensors)
     per_set = [op.coefficients(p) for p in table.sets]
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
-    with db.connect(catalog) as con:
-        n = _rank_candidates(con, spec, family, op, table, per_set)
-        if spec.max_error is not None:
-            budget_bytes = planner.select_within_error(con, spec.max_error, n)
-        else:
-            budget_bytes = spec.io_budget.resolve(full)
-            planner.select_within_bytes(con, budget_bytes)
-        check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
-        access = planner.selected_pairs(con)
-        warnings = []
-        problem = (
-            empty_plan_problem(spec, budget_bytes, planner.smallest_candidate(con), n) if not access.num_rows else None
+    n = _rank_candidates(con, spec, family, op, table, per_set)
+    if spec.max_error is not None:
+        budget_bytes = planner.select_within_error(con, spec.max_error, n)
+    else:
+        budget_bytes = spec.io_budget.resolve(full)
+        planner.select_within_bytes(con, budget_bytes)
+    check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
+    access = planner.selected_pairs(con)
+    warnings = []
+    problem = (
+        empty_plan_problem(spec, budget_bytes, planner.smallest_candidate(con), n) if not access.num_rows else None
+    )
+    if problem and refuse_empty:
+        raise BadInput(problem)
+    if problem:
+        warnings.append(problem)
+    plan = build_plan(
+        spec,
+        family,
+        content,
+        access,
+        budget_bytes=budget_bytes,
+        bound=error_bound(planner.omitted_pairs(con)),
+        params=table,
+        nonzero_bounds=planner.nonzero_bounds(
+            con, family.base_fp, spec.block_size_bytes, expert_fps, NONZERO_BOUND_BYTES
         )
-        if problem and refuse_empty:
-            raise BadInput(problem)
-        if problem:
-            warnings.append(problem)
-        plan = build_plan(
-            spec,
-            family,
-            content,
-            access,
-            budget_bytes=budget_bytes,
-            bound=error_bound(planner.omitted_pairs(con)),
-            params=table,
-            nonzero_bounds=planner.nonzero_bounds(
-                con, family.base_fp, spec.block_size_bytes, expert_fps, NONZERO_BOUND_BYTES
-            )
-            if op.windowed
-            else {},
+        if op.windowed
+        else {},
+    )
+    # Budget soundness is a property of the plan, checked before any expert byte is read.
+    if plan.expert_bytes_planned > budget_bytes:
+        raise MergepipeError(
+            f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}"
         )
-        # Budget soundness is a property of the plan, checked before any expert byte is read.
-        if plan.expert_bytes_planned > budget_bytes:
-            raise MergepipeError(
-                f"planner bug: {plan.expert_bytes_planned} planned bytes exceed the budget of {budget_bytes}"
-            )
-        records.save_plan(
-            con,
+    records.save_plan(
+        con,
+        {
+            "plan_digest": plan.plan_digest,
+            "base_fp": family.base_fp,
+            "block_size": plan.block_size,
+            "merge_method": spec.merge_method,
+            "budget": spec.budget_label,
+            "budget_bytes": budget_bytes,
+            "full_expert_bytes": full,
+            "planned_bytes": plan.expert_bytes_planned,
+            "error_bound": plan.error_bound,
+            "bound_guaranteed": plan.bound_guaranteed,
+            "n_pairs": plan.n_pairs,
+        },
+        [
+            # The largest |c_k| over tensors: filters and gradients may vary it per tensor.
             {
                 "plan_digest": plan.plan_digest,
-                "base_fp": family.base_fp,
-                "block_size": plan.block_size,
-                "merge_method": spec.merge_method,
-                "budget": spec.budget_label,
-                "budget_bytes": budget_bytes,
-                "full_expert_bytes": full,
-                "planned_bytes": plan.expert_bytes_planned,
-                "error_bound": plan.error_bound,
-                "bound_guaranteed": plan.bound_guaranteed,
-                "n_pairs": plan.n_pairs,
-            },
-            [
-                # The largest |c_k| over tensors: filters and gradients may vary it per tensor.
-                {
-                    "plan_digest": plan.plan_digest,
-                    "expert": i,
-                    "expert_fp": fp,
-                    "coefficient": max((abs(c[i]) for c in per_set), default=0.0),
-                    "planned_bytes": plan.planned_bytes[i],
-                }
-                for i, fp in enumerate(expert_fps)
-            ],
-            access.select(["expert", "tensor", "block", "bytes", "score"]),
-        )
-        explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
+                "expert": i,
+                "expert_fp": fp,
+                "coefficient": max((abs(c[i]) for c in per_set), default=0.0),
+                "planned_bytes": plan.planned_bytes[i],
+            }
+            for i, fp in enumerate(expert_fps)
+        ],
+        access.select(["expert", "tensor", "block", "bytes", "score"]),
+    )
+    explain = records.explain(con, plan.plan_digest, family.base_fp, plan.block_size)
     return plan, explain, warnings
 
 
@@ -161,9 +165,7 @@ def reads_every_block(spec: MergeSpec, family: Family) -> bool:
     return all(c != 0 for p in table.sets for c in op.coefficients(p))
 
 
-def full_read_plan(
-    spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, unindexed: list[int]
-) -> Plan:
+def full_read_plan(spec: MergeSpec, family: Family, content: dict[str, str], con, unindexed: list[int]) -> Plan:
     """The plan of a first merge that indexes the experts at positions `unindexed` (and any
     position listing the same files) on the way: every block of theirs, and what the full
     budget selects of the indexed experts'. It is executed, never published: once the
@@ -174,10 +176,9 @@ def full_read_plan(
     table = resolve_tensor_params(spec, family.base.tensors)
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
-    with db.connect(catalog) as con:
-        _rank_candidates(con, spec, family, op, table, [op.coefficients(p) for p in table.sets])
-        planner.select_within_bytes(con, full)
-        known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
+    _rank_candidates(con, spec, family, op, table, [op.coefficients(p) for p in table.sets])
+    planner.select_within_bytes(con, full)
+    known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     new = {fp for i, fp in enumerate(expert_fps) if i in unindexed}
     # Every nonempty block of every float tensor, once; then each new expert's rows of them.
     names, numbers, starts, ends, widths = [], [], [], [], []

@@ -4,6 +4,7 @@ by the flow, loaded once per process."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 from mergepipe.catalog import db, records
@@ -26,12 +27,13 @@ _KEPT = 4  # plans a process keeps loaded (a first merge uses two)
 _loaded: OrderedDict[PlanRef, Plan] = OrderedDict()
 
 
-def save(plan: Plan, catalog: CatalogLocation) -> PlanRef:
-    """Save the plan in the catalog. The saving process keeps the plan as it is: its own layer
-    tasks and publishing need not read it back."""
+def save(plan: Plan, catalog: CatalogLocation, con=None) -> PlanRef:
+    """Save the plan in the catalog (over `con`, a catalog.db connection to it, where one is open). The
+    saving process keeps the plan as it is: its own layer tasks and publishing need not read it
+    back."""
     ref = PlanRef(plans.plan_key(plan.plan_digest, [(i.uri, i.model_fp) for i in plan.inputs]), catalog)
     record, access = plans.encode_plan(plan.as_json(), plan.access)
-    with db.connect(catalog) as con:
+    with nullcontext(con) if con is not None else db.connect(catalog) as con:
         records.save_plan_record(con, ref.key, plan.plan_digest, record, access)
     _keep(ref, plan)
     return ref

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from mergepipe.catalog import db
 from mergepipe.config.environment import CatalogLocation
 from mergepipe.config.spec import MergeSpec
 from mergepipe.index.family import Family
@@ -16,8 +17,9 @@ def plan_merge(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, refuse_empty: bool = True
 ) -> tuple[Plan, list[dict], saved.PlanRef, list[str]]:
     """Returns the plan, its explain rows, where it is saved (in the catalog), and its warnings."""
-    plan, explain, warnings = choose_plan(spec, family, content, catalog, refuse_empty=refuse_empty)
-    return plan, explain, saved.save(plan, catalog), warnings
+    with db.connect(catalog) as con:
+        plan, explain, warnings = choose_plan(spec, family, content, con, refuse_empty=refuse_empty)
+        return plan, explain, saved.save(plan, catalog, con), warnings
 
 
 @declare_task("plan-first-merge")
@@ -25,5 +27,6 @@ def plan_first_merge(
     spec: MergeSpec, family: Family, content: dict[str, str], catalog: CatalogLocation, unindexed: list[int]
 ) -> tuple[Plan, saved.PlanRef]:
     """The plan of a first merge that indexes on the way (plan.choose.full_read_plan), and where it is saved."""
-    plan = full_read_plan(spec, family, content, catalog, unindexed)
-    return plan, saved.save(plan, catalog)
+    with db.connect(catalog) as con:
+        plan = full_read_plan(spec, family, content, con, unindexed)
+        return plan, saved.save(plan, catalog, con)
