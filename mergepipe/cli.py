@@ -462,10 +462,12 @@ def catalog_schema(catalog: Optional[str] = CatalogOpt, as_json: bool = JsonOpt)
 
 @app.command()
 def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once (default: no limit).")) -> None:
-    """Serve mergepipe's deployments (index, merge, sweep, merge-nightly) without a work pool.
+    """Serve mergepipe's deployments without a work pool, as index-served, merge-served,
+    sweep-served and merge-nightly-served.
 
     Runs start in child processes of this one when triggered from the Prefect UI, the API or
-    `prefect deployment run`. Point PREFECT_API_URL at a Prefect server first."""
+    `prefect deployment run`. Point PREFECT_API_URL at a Prefect server first. SIGTERM stops it,
+    cancelling runs in flight; its deployments (and nobody else's) stay as they were."""
     # A long-running service: show what Prefect reports about each run.
     os.environ["PREFECT_LOGGING_LEVEL"] = "INFO"
     os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = "INFO"
@@ -475,9 +477,29 @@ def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once
 
         from mergepipe.flows.deployments import runner_deployments
 
-        prefect_serve(*runner_deployments(), limit=limit)
+        prefect_serve(*runner_deployments(), limit=limit, pause_on_shutdown=False)
 
     run_command(go)
+
+
+@app.command()
+def automations(
+    webhook: Optional[str] = typer.Option(
+        None, help="URL that failed or crashed merge runs are POSTed to (kept in a Prefect Webhook block)."
+    ),
+    retry: bool = typer.Option(True, help="Schedule a crashed merge run again (it resumes from its staging)."),
+) -> None:
+    """Create mergepipe's automations on the Prefect server PREFECT_API_URL names: crashed merge
+    runs run again (up to 3 runs), and failed or crashed ones are reported to --webhook.
+    Running it again replaces them."""
+
+    def go() -> list[str]:
+        from mergepipe.flows.automations import install_automations
+
+        return install_automations(webhook, retry_crashed=retry)
+
+    for name in run_command(go):
+        out_console.print(f"automation in place: {name}")
 
 
 @app.command()

@@ -7,6 +7,13 @@ class MergepipeError(Exception):
     exit_code = 1
 
 
+class DeterminedError(MergepipeError):
+    """A failure that running the same merge again would meet again, or that leaves its staged
+    bytes untrustworthy (a check of the merge against its plan, a replay that does not reproduce
+    its digest). Like bad input, and unlike a crash or an error of storage that outlasted its
+    retries, it discards the merge's staging (exit code 1)."""
+
+
 class BadInput(MergepipeError):
     """The user's input is at fault (exit code 2).
 

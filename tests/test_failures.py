@@ -45,14 +45,21 @@ def test_a_transient_failure_is_retried_and_changes_nothing(bf16_family, tmp_pat
     assert retried["digest"] == clean["digest"]
 
 
-def test_a_persistent_failure_publishes_nothing_and_leaves_no_staging(
+def test_a_persistent_failure_publishes_nothing_and_keeps_its_staging_for_the_next_run(
     bf16_family, tmp_path, session_catalog, monkeypatch
 ):
+    """An error that outlasts its retries is not the merge's fault: nothing is published, the
+    groups finished before it stay staged, and the next run takes them over."""
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
+    clean = merge(config=str(cfg), out=str(tmp_path / "clean"), budget="30%", catalog=session_catalog)
     _flaky(monkeypatch, failures=10)
     with pytest.raises(MergepipeError, match=r"/dev/full: cannot write .*No space left"):
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
     assert not (tmp_path / "out").exists()
+    assert len([p.name for p in tmp_path.iterdir() if "staging" in p.name]) == 1
+    monkeypatch.undo()
+    again = merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
+    assert again["digest"] == clean["digest"] and again["resumed_groups"]
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
 
 
@@ -110,12 +117,14 @@ def test_a_file_that_stays_unreadable_fails_naming_it(bf16_family, tmp_path, ses
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="40%", catalog=session_catalog)
     assert calls["n"] >= 3  # the first try and both retries
     assert not (tmp_path / "out").exists()
+    # It fails reading the expert's headers, before anything is staged.
     assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
 
 
 def test_a_disk_that_fills_during_the_merge_fails_cleanly(bf16_family, tmp_path, session_catalog, monkeypatch):
     """Writes into the staged output stop with ENOSPC after 20 KB, as on a full disk, and stay
-    failing through the retries: the error names the shard, staging goes, nothing is published."""
+    failing through the retries: the error names the shard, nothing is published, and staging
+    stays for a run after the disk is freed."""
     import errno
     import os
 
@@ -142,4 +151,4 @@ def test_a_disk_that_fills_during_the_merge_fails_cleanly(bf16_family, tmp_path,
         merge(config=str(cfg), out=str(tmp_path / "out"), budget="30%", catalog=session_catalog)
     assert written["n"] > 0
     assert not (tmp_path / "out").exists()
-    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+    assert len([p.name for p in tmp_path.iterdir() if "staging" in p.name]) == 1

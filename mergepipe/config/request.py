@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from datetime import date, datetime, timezone
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -60,13 +60,19 @@ class MergeRequest:
         return self.config if self.spec.storage_options else None
 
 
-def with_run_date(out: str, when: date | datetime | None) -> str:
-    """`{date}` in an output location becomes the run's date (UTC; today when not given), so a
-    scheduled deployment writes each night's merge to its own folder."""
-    if "{date}" not in out:
+def with_run_names(out: str, when: datetime | None, run_name: str | None) -> str:
+    """An output location's templates filled in: `{date}` (YYYY-MM-DD) and `{datetime}`
+    (YYYYMMDDTHHMMSSZ) with the run's scheduled time (UTC; now when not given), and
+    `{flow_run_name}` with the flow run's name ("local-" and the time outside a flow run), so
+    that scheduled runs write each merge to a folder of its own."""
+    if "{" not in out:
         return out
-    when = when or datetime.now(timezone.utc)
-    return out.replace("{date}", when.strftime("%Y-%m-%d"))
+    when = (when or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    stamp = when.strftime("%Y%m%dT%H%M%SZ")
+    names = {"{date}": when.strftime("%Y-%m-%d"), "{datetime}": stamp, "{flow_run_name}": run_name or f"local-{stamp}"}
+    for template, value in names.items():
+        out = out.replace(template, value)
+    return out
 
 
 def build_request(
@@ -79,7 +85,8 @@ def build_request(
     catalog: str | Path | None = None,
     runner: str = "thread",
     dask_address: str | None = None,
-    run_date: date | datetime | None = None,
+    run_time: datetime | None = None,
+    run_name: str | None = None,
     allow_empty: bool = False,
     memory: str | None = None,
 ) -> MergeRequest:
@@ -112,7 +119,7 @@ def build_request(
     destination = None
     if out is not None:
         destination = check_destination(
-            with_run_date(str(out), run_date), overwrite, [spec.base_model, *spec.expert_uris]
+            with_run_names(str(out), run_time, run_name), overwrite, [spec.base_model, *spec.expert_uris]
         )
     given = memory_bytes is not None or spec.memory_bytes is not None
     if memory_bytes is None:

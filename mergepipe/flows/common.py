@@ -15,7 +15,7 @@ from mergepipe import torch
 from mergepipe.config.environment import CatalogLocation, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
-from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.execute.group import GroupResult, finished_group
 from mergepipe.execute.memory import MemoryPlan, output_buffer, plan_memory
 from mergepipe.flows.artifacts import summary_artifact
@@ -235,6 +235,11 @@ def _merge_groups(ex: Execution, staging: str, results: _GroupResults, memory: M
                 results.add(g, done)
             else:
                 todo.append(g)
+        if results.resumed_groups:
+            rep.note(
+                f"resuming: {len(results.resumed_groups)} of {len(groups)} layer groups taken over from an earlier "
+                f"run of this plan ({', '.join(results.resumed_groups)})"
+            )
         params = [
             {
                 "saved_plan": ex.saved_plan,
@@ -278,7 +283,7 @@ def index_from_merge(ex: Execution, results: _GroupResults) -> dict:
     )
     read = results.ledger.total("expert") + results.resumed.total("expert")
     if read != ex.plan.expert_bytes_planned:
-        raise MergepipeError(
+        raise DeterminedError(
             f"the merge read {read} bytes of changed blocks but the plan chosen after indexing has "
             f"{ex.plan.expert_bytes_planned}; not publishing"
         )
@@ -321,7 +326,7 @@ def execute_plan(ex: Execution) -> dict:
         ex.timings["merge"] = time.perf_counter() - t_merge
         expert_read = ledger.total("expert")
         if expert_read + resumed.total("expert") != plan.expert_bytes_planned:
-            raise MergepipeError(
+            raise DeterminedError(
                 f"read {expert_read} expert bytes (and {resumed.total('expert')} in resumed groups) "
                 f"but the plan has {plan.expert_bytes_planned}; not publishing"
             )
@@ -360,8 +365,15 @@ def execute_plan(ex: Execution) -> dict:
             publish_output, ex.saved_plan, staging, out, request.overwrite, output, run, ex.expected_digest
         )
         ledger.merge(rows)
-    except BaseException:
+    except (BadInput, DeterminedError):  # running it again would fail the same way
         staging_at(staging).discard()
+        raise
+    except BaseException as err:
+        # A crash (SystemExit, KeyboardInterrupt, a lost worker) or an error that outlasted its
+        # retries: the finished groups stay staged, and the same merge run again resumes them.
+        log.warning(
+            "merge stopped (%s); its staging %s is kept for a run of the same merge", type(err).__name__, staging
+        )
         raise
     run_task(
         record_run,

@@ -43,7 +43,7 @@ DEPLOYMENTS = [
         "merge",
         "mergepipe.flows.deployments:merge",
         "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory). "
-        "{date} in out becomes the run's scheduled date.",
+        "{date}, {datetime} and {flow_run_name} in out become the run's scheduled date and time and its name.",
     ),
     DeploymentSpec(
         "sweep",
@@ -53,8 +53,8 @@ DEPLOYMENTS = [
     DeploymentSpec(
         "merge-nightly",
         "mergepipe.flows.deployments:merge",
-        "The merge deployment on a schedule; its output folder carries the run date.",
-        parameters={"config": "configs/nightly.yaml", "out": "merges/nightly-{date}", "budget": "25%"},
+        "The merge deployment on a schedule; its output folder carries the run's date and name.",
+        parameters={"config": "configs/nightly.yaml", "out": "merges/nightly-{date}-{flow_run_name}", "budget": "25%"},
         cron=NIGHTLY_CRON,
     ),
 ]
@@ -66,13 +66,19 @@ def load_flow(entrypoint: str):
     return getattr(importlib.import_module(module), name)
 
 
+# `mergepipe serve` registers the deployments under names of its own, so that serving never
+# rewrites the work pool's deployments of the same flows (their parameters, schedules, routing).
+SERVED_SUFFIX = "-served"
+
+
 def runner_deployments() -> list:
-    """The deployments as `flow.serve` runs them (no work pool: runs execute in the serving process's children)."""
+    """The deployments as `mergepipe serve` runs them (no work pool: runs execute in the serving
+    process's children), each named `<name>-served`."""
     from prefect.deployments.runner import EntrypointType
 
     return [
         load_flow(d.entrypoint).to_deployment(
-            name=d.name,
+            name=d.name + SERVED_SUFFIX,
             description=d.description,
             parameters=d.parameters or None,
             cron=d.cron,

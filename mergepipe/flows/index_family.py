@@ -10,6 +10,14 @@ from mergepipe.flows.orchestration import declare_flow
 
 @declare_flow("index-family")
 def index_family(config: str, catalog: str | None = None) -> dict:
+    """Index a family's block statistics: read every model's headers, and the bytes of the
+    experts the catalog has not indexed yet.
+
+    Args:
+        config: Path or URI of the merge config (YAML in mergekit's shape) naming the family.
+        catalog: The catalog: a DuckDB file, or postgresql://user@host:port/dbname for one that
+            many machines share (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb).
+    """
     request = build_request(config, catalog=catalog)
     spec = request.spec
     outcome = run_index(spec, request.catalog)

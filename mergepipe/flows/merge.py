@@ -3,25 +3,32 @@
 from __future__ import annotations
 
 import time
+from datetime import datetime
+from typing import Literal
 
 from mergepipe.config.environment import worker_count
-from mergepipe.config.request import build_request
+from mergepipe.config.request import MergeRequest, build_request
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput
 from mergepipe.execute.memory import output_buffer, plan_memory
 from mergepipe.flows.artifacts import plan_artifact
-from mergepipe.flows.common import Execution, FirstMerge, execute_plan, now, run_index
-from mergepipe.flows.orchestration import declare_flow, run_task
+from mergepipe.flows.automations import refuse_endless_retries
+from mergepipe.flows.common import Execution, FirstMerge, execute_plan, flow_run_id, now, run_index
+from mergepipe.flows.orchestration import declare_flow, in_process, run_task
 from mergepipe.plan import saved
 from mergepipe.plan.output import output_layout_of
+from mergepipe.tasks.merge import holding_output
 from mergepipe.tasks.plan import plan_first_merge, plan_merge
 
 
-def scheduled_date():
-    """The flow run's scheduled start (for `{date}` in an output), or None outside a flow run."""
+def run_names() -> tuple[datetime | None, str | None]:
+    """The flow run's scheduled start and name, for the templates of an output location
+    (config.request.with_run_names); (None, None) outside a flow run, without importing Prefect."""
+    if in_process():
+        return None, None
     from prefect.runtime import flow_run
 
-    return flow_run.scheduled_start_time
+    return flow_run.scheduled_start_time, flow_run.name
 
 
 @declare_flow("plan-merge")
@@ -33,8 +40,22 @@ def plan(
     allow_empty: bool = False,
     memory: str | None = None,
 ) -> dict:
-    """A budget that admits no expert block is a warning here (a merge refuses it), and so is a
-    memory budget too small for the merge. `memory`: the merge process's budget (a size)."""
+    """Plan a merge without running it: what it would read, its error bound and memory. A budget
+    that admits no expert block is a warning here (a merge refuses it), and so is a memory budget
+    too small for the merge.
+
+    Args:
+        config: Path or URI of the merge config (YAML in mergekit's shape).
+        budget: I/O budget with a unit: a share of the expert bytes (25%) or a size (512MiB, 2GB).
+            Default: the config's `budget`, else 100%.
+        max_error: Instead of a budget, the largest error bound to accept (the cheapest plan
+            within it).
+        catalog: The catalog: a DuckDB file, or postgresql://user@host:port/dbname for one that
+            many machines share (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb).
+        allow_empty: Plan even when the budget admits no expert block.
+        memory: The merge process's memory budget, a size such as 8GiB (default: the config's
+            `memory`, else half the machine's memory).
+    """
     request = build_request(
         config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty, memory=memory
     )
@@ -81,18 +102,37 @@ def merge(
     max_error: float | None = None,
     overwrite: bool = False,
     catalog: str | None = None,
-    runner: str = "thread",
+    runner: Literal["thread", "dask"] = "thread",
     dask_address: str | None = None,
     allow_empty: bool = False,
     memory: str | None = None,
 ) -> dict:
-    """runner: "thread" (the flow's thread pool) or "dask" (layer groups on the Dask cluster at
-    dask_address, or on a local cluster). `{date}` in out becomes the run's scheduled date.
-    allow_empty: merge even when the budget admits no expert block (the output is the base).
-    memory: the process's memory budget, a size such as 8GiB (default: the config's `memory`,
-    else half the machine's memory)."""
+    """Index what is missing, plan under the budget, merge layer group by layer group, publish
+    the output with its manifest, and record the run.
+
+    Args:
+        config: Path or URI of the merge config (YAML in mergekit's shape).
+        out: Where the output goes: a local folder or s3://bucket/prefix. `{date}` becomes the
+            run's scheduled date (YYYY-MM-DD), `{datetime}` its scheduled time
+            (YYYYMMDDTHHMMSSZ) and `{flow_run_name}` the flow run's name.
+        budget: I/O budget with a unit: a share of the expert bytes (25%) or a size (512MiB, 2GB).
+            Default: the config's `budget`, else 100%.
+        max_error: Instead of a budget, the largest error bound to accept (the cheapest plan
+            within it).
+        overwrite: Replace an output already published at `out`.
+        catalog: The catalog: a DuckDB file, or postgresql://user@host:port/dbname for one that
+            many machines share (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb).
+        runner: Where layer groups run: "thread" (the flow's thread pool) or "dask" (the Dask
+            cluster at dask_address, or a local cluster).
+        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
+        allow_empty: Merge even when the budget admits no expert block (the output is the base).
+        memory: The merge process's memory budget, a size such as 8GiB (default: the config's
+            `memory`, else half the machine's memory).
+    """
+    refuse_endless_retries()
     t0 = time.perf_counter()
     started = now()
+    run_time, run_name = run_names() if "{" in out else (None, None)
     request = build_request(
         config,
         out=out,
@@ -102,10 +142,16 @@ def merge(
         catalog=catalog,
         runner=runner,
         dask_address=dask_address,
-        run_date=scheduled_date() if "{date}" in out else None,
+        run_time=run_time,
+        run_name=run_name,
         allow_empty=allow_empty,
         memory=memory,
     )
+    with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
+        return _index_plan_and_merge(request, started, t0)
+
+
+def _index_plan_and_merge(request: MergeRequest, started: str, t0: float) -> dict:
     outcome = run_index(request.spec, request.catalog, first_merge=True)
     with outcome.held:  # a first merge's claims on the experts it indexes, until their statistics land
         t_plan = time.perf_counter()

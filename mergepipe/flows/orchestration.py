@@ -16,6 +16,8 @@ configured. The Dask runner always needs Prefect.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import os
 import sys
 import tomllib
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mergepipe.errors import BadInput
+from mergepipe.tasks import progress
 from mergepipe.tasks.declare import _in_process, call_with_retries, in_process, run_task
 
 __all__ = ["DeclaredFlow", "call_with_retries", "declare_flow", "in_process", "run_flow", "run_task", "use_prefect"]
@@ -97,7 +100,7 @@ class DeclaredFlow:
         options: dict[str, Any] = {"name": self.name}
         if self.thread_pool:
             options["task_runner"] = ThreadPoolTaskRunner(max_workers=worker_count())
-        prefect_flow = flow(**options)(self.fn)
+        prefect_flow = flow(**options)(_progress_in_run_log(self.fn))
         # A deployment's module-path entrypoint is the flow's module and name: they must name
         # this object, which deployments.py holds under the function's name.
         prefect_flow.__module__ = ENTRYPOINT_MODULE
@@ -105,6 +108,24 @@ class DeclaredFlow:
 
     def __call__(self, **params: Any) -> Any:
         return run_flow(self, **params)
+
+
+def _progress_in_run_log(fn: Callable) -> Callable:
+    """The flow's function, its progress lines (each stage at every 10%, with bytes and MiB/s)
+    and notes also written to the flow run's log, where the UI shows them. The signature and
+    docstring stay the function's: the deployment's parameter schema is built from them."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from prefect.logging import get_run_logger
+
+        with progress.also(progress.PlainReporter(get_run_logger().info)):
+            return fn(*args, **kwargs)
+
+    # Resolved here, in the function's own module: Prefect would resolve the annotations'
+    # strings in this one, which does not import their names (Literal).
+    run.__signature__ = inspect.signature(fn, eval_str=True)
+    return run
 
 
 def declare_flow(name: str, thread_pool: bool = False) -> Callable[[Callable], DeclaredFlow]:

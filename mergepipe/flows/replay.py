@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import time
+from typing import Literal
 
-from mergepipe.config.request import build_request
+from mergepipe.config.request import MergeRequest, build_request
 from mergepipe.config.spec import validate_spec
 from mergepipe.errors import BadInput
-from mergepipe.flows.common import Execution, execute_plan, now, run_index
+from mergepipe.flows.automations import refuse_endless_retries
+from mergepipe.flows.common import Execution, execute_plan, flow_run_id, now, run_index
 from mergepipe.flows.orchestration import declare_flow
 from mergepipe.plan import saved
 from mergepipe.plan.record import build_plan
 from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri
 from mergepipe.storage.location import set_storage_options
+from mergepipe.tasks.merge import holding_output
 
 
 @declare_flow("replay", thread_pool=True)
@@ -21,21 +24,42 @@ def replay(
     out: str,
     overwrite: bool = False,
     catalog: str | None = None,
-    runner: str = "thread",
+    runner: Literal["thread", "dask"] = "thread",
     dask_address: str | None = None,
     memory: str | None = None,
 ) -> dict:
+    """Re-execute a manifest's access set without planning again, and publish it only if it
+    reproduces the manifest's digest.
+
+    Args:
+        manifest: A published output (its folder or prefix) or its mergepipe-manifest.json.
+        out: Where the replayed output goes: a local folder or s3://bucket/prefix.
+        overwrite: Replace an output already published at `out`.
+        catalog: The catalog: a DuckDB file, or postgresql://user@host:port/dbname for one that
+            many machines share (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb).
+        runner: Where layer groups run: "thread" (the flow's thread pool) or "dask" (the Dask
+            cluster at dask_address, or a local cluster).
+        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
+        memory: The process's memory budget, a size such as 8GiB (default: half the machine's
+            memory).
+    """
+    refuse_endless_retries()
     t0 = time.perf_counter()
     started = now()
     # Manifests never hold storage options: object stores are reached with the environment's
     # credentials and endpoint (AWS_* variables, profiles).
     set_storage_options(None)
     recorded = load_manifest(manifest)
-    content, run = recorded["content"], recorded["run"]
-    spec = validate_spec(run["spec"], source=manifest_uri(manifest))
+    spec = validate_spec(recorded["run"]["spec"], source=manifest_uri(manifest))
     request = build_request(
         spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address, memory=memory
     )
+    with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
+        return _replay(request, recorded, manifest, started, t0)
+
+
+def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, t0: float) -> dict:
+    spec, content = request.spec, recorded["content"]
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
     for want, fp, uri in zip(content["plan"]["inputs"], fps, [spec.base_model, *spec.expert_uris]):

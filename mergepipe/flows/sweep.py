@@ -3,6 +3,8 @@ deviation from the full-budget one, and tabulate the results."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from mergepipe.config.request import build_request
 from mergepipe.config.sizes import parse_budget
 from mergepipe.flows.artifacts import create_table_artifact
@@ -26,11 +28,24 @@ def budget_sweep(
     budgets: list[str] = ["5%", "10%", "25%", "50%", "100%"],  # noqa: B006 - a JSON default for the deployment
     overwrite: bool = False,
     catalog: str | None = None,
-    runner: str = "thread",
+    runner: Literal["thread", "dask"] = "thread",
     dask_address: str | None = None,
 ) -> list[dict]:
-    """Each budget runs as a merge subflow into OUT/budget-<budget>; the family is indexed once.
-    A 100% budget is added when missing: it is the reference the deviations are measured from."""
+    """Merge one config at several budgets and measure each output against the full merge.
+    Each budget runs as a merge subflow into OUT/budget-<budget>; the family is indexed once.
+    A 100% budget is added when missing: it is the reference the deviations are measured from.
+
+    Args:
+        config: Path or URI of the merge config (YAML in mergekit's shape).
+        out: The folder (or s3:// prefix) under which each budget's output goes.
+        budgets: The I/O budgets, each with a unit (25%, 512MiB).
+        overwrite: Replace outputs already published there.
+        catalog: The catalog: a DuckDB file, or postgresql://user@host:port/dbname for one that
+            many machines share (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb).
+        runner: Where layer groups run: "thread" (the flow's thread pool) or "dask" (the Dask
+            cluster at dask_address, or a local cluster).
+        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
+    """
     budgets = list(budgets)
     if not any(parse_budget(b).is_full for b in budgets):
         budgets.append("100%")

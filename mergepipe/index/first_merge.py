@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from mergepipe.config.spec import expert_label
-from mergepipe.errors import MergepipeError
+from mergepipe.errors import DeterminedError
 from mergepipe.index.family import Family
 from mergepipe.index.stats import BLOCKS_SCHEMA, STATS_SCHEMA, StatsResult, content_digest
 from mergepipe.index.tap import HASHES_SCHEMA
@@ -70,7 +70,7 @@ def check_recorded_plan(executed: pa.Table, chosen: pa.Table, stats: pa.Table, e
     }
     got = set(zip(*(chosen[c].to_pylist() for c in ("expert", "tensor", "block"))))
     if got != expected:
-        raise MergepipeError(
+        raise DeterminedError(
             f"the plan chosen after indexing differs from the blocks merged ({len(got)} pairs against "
             f"{len(expected)}); not publishing"
         )

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mergepipe import __version__
-from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
 from mergepipe.storage.canonical import digest_of
@@ -59,7 +59,7 @@ def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledge
     for shard in layout.shards:
         digest, size = staging.sha256(shard.name, ledger)
         if size != shard.size:
-            raise MergepipeError(f"{staging.location}: staged {shard.name} has {size} bytes, the layout {shard.size}")
+            raise DeterminedError(f"{staging.location}: staged {shard.name} has {size} bytes, the layout {shard.size}")
         shards.append({"file": shard.name, "size": size, "sha256": digest})
     files = []
     for name in [INDEX_FILE, *base.sidecars]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.errors import BadInput, DeterminedError, MergepipeError
 from mergepipe.storage import remote
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
@@ -203,7 +203,7 @@ class StoreStaging:
         at = 0
         for offset, size in found:
             if offset != at:
-                raise MergepipeError(f"{self.location}: staged pieces of {shard} leave a gap at byte {at}")
+                raise DeterminedError(f"{self.location}: staged pieces of {shard} leave a gap at byte {at}")
             at += size
         return [(join(self.location, piece_key(shard, offset)), size) for offset, size in found]
 

@@ -3,23 +3,64 @@ files, publish, record the run. Each is a thin wrapper over the stages' plain fu
 
 from __future__ import annotations
 
+import logging
 import os
+import secrets
 import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mergepipe.catalog import db, records
-from mergepipe.config.environment import CatalogLocation
+from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
 from mergepipe.config.spec import storage_options_of
-from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.execute.group import GroupResult, merge_group
 from mergepipe.execute.memory import MemoryPlan
 from mergepipe.plan import saved
 from mergepipe.publish.checks import changed_inputs
 from mergepipe.publish.manifest import build_manifest, write_manifest, write_output_files
+from mergepipe.storage.lease import Holder, OutputBusy, OutputLease
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
 from mergepipe.storage.staging import staging_at, staging_for
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
+
+log = logging.getLogger("mergepipe.merge")
+
+
+@contextmanager
+def holding_output(out: str, run_id: str | None) -> Iterator[None]:
+    """The output's lease (storage.lease) while the block runs, renewed by a heartbeat thread
+    and given back however the block ends: a second run to the same output stops with
+    OutputBusy before reading anything. A lease whose holder died is taken over after
+    MERGEPIPE_CLAIM_STALE_SECONDS, as index claims are."""
+    stale = claim_stale_seconds()
+    owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+    lease = OutputLease(out, Holder(owner, run_id, time.time()), stale)
+    lease.acquire()
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(stale / 6):
+            try:
+                lease.beat()
+            except OutputBusy as err:
+                log.error("%s", err)
+                return
+            except Exception as err:  # the next beat may get through; the lease lapses only after `stale`
+                log.warning("%s: output lease heartbeat failed: %s", out, err)
+
+    beating = threading.Thread(target=beat, name="output-lease-heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beating.join()
+        lease.release()
 
 
 @declare_task("stage-output", **STORAGE_RETRIES)
@@ -93,7 +134,7 @@ def publish_output(
     plan, _ = saved.load(saved_plan)
     manifest = build_manifest(plan, output, run)
     if expected_digest is not None and manifest["digest"] != expected_digest:
-        raise MergepipeError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
+        raise DeterminedError(f"replay produced digest {manifest['digest']}, the manifest records {expected_digest}")
     where = staging_at(staging)
     write_manifest(where, manifest)
     ledger = ByteLedger()

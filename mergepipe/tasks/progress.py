@@ -8,6 +8,8 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 
@@ -25,17 +27,23 @@ class _Silent:
     def note(self, message: str) -> None: ...
 
 
-class PlainReporter:
-    """One line at each 10% step, on stderr."""
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
-    def __init__(self) -> None:
+
+class PlainReporter:
+    """One line at each 10% step of each stage, with its rate: on stderr, or wherever `emit`
+    sends lines (a Prefect run's log: flows.orchestration)."""
+
+    def __init__(self, emit: Callable[[str], None] = _to_stderr) -> None:
         self._state: dict[str, list] = {}
         self._lock = threading.Lock()
+        self._emit = emit
 
     def start(self, stage: str, total: float, unit: str) -> None:
         with self._lock:
-            self._state[stage] = [0.0, total, unit, 0]
-        print(f"{stage}: {_fmt(0, unit, total)}", file=sys.stderr, flush=True)
+            self._state[stage] = [0.0, total, unit, 0, time.monotonic()]
+        self._emit(f"{stage}: {_fmt(0, unit, total)}")
 
     def advance(self, stage: str, amount: float) -> None:
         with self._lock:
@@ -47,14 +55,38 @@ class PlainReporter:
             if step <= st[3]:
                 return
             st[3] = step
-        print(f"{stage}: {_fmt(st[0], st[2], st[1])} ({10 * step}%)", file=sys.stderr, flush=True)
+            done, total, unit, _, t0 = st
+        self._emit(f"{stage}: {_fmt(done, unit, total)} ({10 * step}%), {_rate(done, unit, t0)}")
 
     def finish(self, stage: str) -> None:
         with self._lock:
             self._state.pop(stage, None)
 
     def note(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        self._emit(message)
+
+
+class _Both:
+    """Every report to two reporters: the one installed (a terminal's), and a run's log."""
+
+    def __init__(self, base: Reporter, extra: Reporter) -> None:
+        self.base, self.extra = base, extra
+
+    def start(self, stage: str, total: float, unit: str) -> None:
+        self.base.start(stage, total, unit)
+        self.extra.start(stage, total, unit)
+
+    def advance(self, stage: str, amount: float) -> None:
+        self.base.advance(stage, amount)
+        self.extra.advance(stage, amount)
+
+    def finish(self, stage: str) -> None:
+        self.base.finish(stage)
+        self.extra.finish(stage)
+
+    def note(self, message: str) -> None:
+        self.base.note(message)
+        self.extra.note(message)
 
 
 class RichReporter:
@@ -89,9 +121,9 @@ class RichReporter:
             task, unit, t0 = self._tasks[stage]
             self._progress.advance(task, amount)
             t = self._progress.tasks[self._progress.task_ids.index(task)]
-            rate = t.completed / max(time.monotonic() - t0, 1e-6)
-            speed = f"{rate / 2**20:.1f} MiB/s" if unit == "B" else f"{rate:.1f} {unit}/s"
-            self._progress.update(task, detail=f"{_fmt(t.completed, unit, t.total or 0)}, {speed}")
+            self._progress.update(
+                task, detail=f"{_fmt(t.completed, unit, t.total or 0)}, {_rate(t.completed, unit, t0)}"
+            )
 
     def finish(self, stage: str) -> None:
         with self._lock:
@@ -112,12 +144,30 @@ def _fmt(done: float, unit: str, total: float) -> str:
     return f"{int(done)}/{int(total)} {unit}"
 
 
+def _rate(done: float, unit: str, t0: float) -> str:
+    rate = done / max(time.monotonic() - t0, 1e-6)
+    return f"{rate / 2**20:.1f} MiB/s" if unit == "B" else f"{rate:.1f} {unit}/s"
+
+
 _reporter: Reporter = _Silent()
 
 
 def set_reporter(reporter: Reporter | None) -> None:
     global _reporter
     _reporter = reporter or _Silent()
+
+
+@contextmanager
+def also(extra: Reporter) -> Iterator[None]:
+    """Report to `extra` too while the block runs (a flow run's log, beside the terminal); an
+    inner block's `extra` replaces the outer one's (a subflow's log, not its parent's too)."""
+    global _reporter
+    before = _reporter
+    _reporter = _Both(before.base if isinstance(before, _Both) else before, extra)
+    try:
+        yield
+    finally:
+        _reporter = before
 
 
 def reporter() -> Reporter:
