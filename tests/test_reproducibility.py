@@ -134,7 +134,7 @@ def test_merge_artifacts_can_be_read_back_from_the_api(bf16_family, tmp_path, se
     from prefect import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
 
-    from mergepipe.flows.artifacts import PLAN_KEY, SUMMARY_KEY
+    from mergepipe.flows.artifacts import PLAN_KEY, SUMMARY_KEY, artifact_key
 
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic", budget="30%")
     result = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
@@ -144,10 +144,14 @@ def test_merge_artifacts_can_be_read_back_from_the_api(bf16_family, tmp_path, se
             artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[result["flow_run_id"]]))
         )
     by_key = {a.key: a for a in found}
-    assert set(by_key) == {PLAN_KEY, SUMMARY_KEY}
-    table = json.loads(by_key[PLAN_KEY].data)
+    out = str(tmp_path / "out")
+    plan_key, summary_key = artifact_key(PLAN_KEY, out), artifact_key(SUMMARY_KEY, out)
+    assert set(by_key) == {plan_key, summary_key}
+    assert plan_key.startswith("merge-plan-") and plan_key.split("-")[-2] == "out"
+    table = json.loads(by_key[plan_key].data)
     assert sum(r["selected_bytes"] for r in table) == result["expert_bytes_planned"]
-    assert {r["expert"] for r in table} == {0, 1, 2}
-    summary = by_key[SUMMARY_KEY].data
+    assert {r["position"] for r in table} == {0, 1, 2}
+    assert {r["expert"] for r in table} == {e.name for e in bf16_family.experts}  # display names
+    summary = by_key[summary_key].data
     assert result["digest"] in summary and str(result["expert_bytes_read"]) in summary
-    assert f"file://{tmp_path / 'out'}" in summary
+    assert f"file://{tmp_path / 'out'}" in summary and "| resumed layer groups | none |" in summary

@@ -52,6 +52,7 @@ class MergeRequest:
     runner: Runner = Runner()
     memory: int = 0  # the memory budget in bytes (--memory, the config's memory, or the default)
     memory_given: bool = False  # by --memory or the config, not the default
+    out_as_given: str | None = None  # `out` before its templates ({date}, …) were filled in
 
     @property
     def options_from(self) -> str | None:
@@ -125,5 +126,13 @@ def build_request(
     if memory_bytes is None:
         memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()
     return MergeRequest(
-        spec, location, catalog_location(catalog), destination, overwrite, resolved_runner, memory_bytes, given
+        spec,
+        location,
+        catalog_location(catalog),
+        destination,
+        overwrite,
+        resolved_runner,
+        memory_bytes,
+        given,
+        None if out is None else str(out),
     )

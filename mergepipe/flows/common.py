@@ -423,5 +423,5 @@ def execute_plan(ex: Execution) -> dict:
     }
     if ex.first is not None:
         result["indexed_in_merge"] = indexed
-    summary_artifact(result)
+    summary_artifact(result, request.out_as_given)
     return result

@@ -179,7 +179,7 @@ def _index_plan_and_merge(request: MergeRequest, started: str, t0: float) -> dic
             p, explain, saved_plan, _ = run_task(
                 plan_merge, request.spec, outcome.family, outcome.content, request.catalog
             )
-            plan_artifact(plan_result(p, request.spec, explain, saved_plan))
+            plan_artifact(plan_result(p, request.spec, explain, saved_plan), request.out_as_given)
         timings = {"index": outcome.seconds, "plan": time.perf_counter() - t_plan}
         memory = mem if first is not None else None  # the plan the decision was made on
         return execute_plan(
