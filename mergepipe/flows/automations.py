@@ -1,7 +1,7 @@
 """mergepipe's automations on a Prefect server (`mergepipe automations`): a crashed merge run is
 scheduled again (it resumes from its staging), and a failed or crashed merge run is reported to
-a webhook. Both match the merge flow's runs by the flow's name, so they cover every merge
-deployment (the work pool's, `serve`'s, the nightly one)."""
+a webhook. Both match the runs of the merge and replay flows by the flows' names, so they cover
+every deployment of them (the work pool's, `serve`'s, the nightly one)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ MERGE_FLOWS = ["merge", "replay"]  # the flows that write an output
 RETRY_NAME = "mergepipe: run a crashed merge again"
 NOTIFY_NAME = "mergepipe: report a failed or crashed merge"
 WEBHOOK_BLOCK = "mergepipe-alerts"
-# A merge run that has started this many times is not scheduled again (flows.merge refuses to
-# run a further time), so a run that crashes every time does not loop.
+# A merge run runs this many times at most: a further start fails (refuse_endless_retries), and
+# a failed run is not scheduled again, so a run that crashes every time does not loop.
 MAX_RUNS = 3
 
 # What the webhook receives: the run, its state and the event (Prefect's Jinja template).
