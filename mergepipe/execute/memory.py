@@ -195,7 +195,7 @@ def output_buffer(out: str | None) -> int:
     """What a group holds to write its output besides its tensors: to an object store, a part
     of its upload being filled and one being sent (storage.remote.open_writer); nothing when it
     writes in place to a local file (or when no output is known yet, as for `plan`)."""
-    return 2 * max(remote.PART_SIZE, 5 << 20) if out is not None and is_remote(out) else 0
+    return 2 * remote.write_part_size() if out is not None and is_remote(out) else 0
 
 
 def plan_memory(

@@ -18,7 +18,9 @@ _lock = threading.Lock()
 _options: dict[str, Any] = {}
 
 # Listings must be fresh: a cached listing would hide an object overwritten or deleted since.
-_DEFAULTS = {"s3": {"use_listings_cache": False}}
+# Uploads go in parts of exactly the writer's block size (storage.remote.open_writer), so what a
+# writer holds is bounded by it, whatever the size of each write.
+_DEFAULTS = {"s3": {"use_listings_cache": False, "fixed_upload_size": True}}
 
 
 def is_remote(uri: str) -> bool:

@@ -19,7 +19,7 @@ from typing import TypeVar
 
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage.fingerprints import FileFingerprint
-from mergepipe.storage.location import filesystem, fs_path, protocol
+from mergepipe.storage.location import filesystem, fs_path
 
 log = logging.getLogger("mergepipe.storage")
 
@@ -30,7 +30,7 @@ CONCURRENCY = int(os.environ.get("MERGEPIPE_REMOTE_CONCURRENCY", "8"))
 BACKOFF_BASE_S = float(os.environ.get("MERGEPIPE_REMOTE_BACKOFF_S", "0.2"))
 BACKOFF_CAP_S = 10.0
 HASH_CHUNK = 8 * 1024 * 1024
-# Parts of multipart uploads; files under twice this size go up in one PUT.
+# Parts of the uploads open_writer makes (s3fs takes no part under 5 MiB); less goes in one PUT.
 PART_SIZE = int(os.environ.get("MERGEPIPE_UPLOAD_PART_SIZE", str(64 * 1024 * 1024)))
 # The store's smallest part of a multipart upload but the last (S3's rule: 5 MiB), and its
 # largest (5 GiB). Settable for stores with other rules, and for tests on small objects.
@@ -211,10 +211,7 @@ def check_bucket(uri: str) -> None:
 
 def list_tree(uri: str) -> list[str]:
     """Every object under a prefix, as paths relative to it."""
-    fs = filesystem(uri)
-    path = fs_path(uri).rstrip("/")
-    found = retrying(uri, "list", lambda: fs.find(path))
-    return sorted(p[len(path) + 1 :] for p in found if p.startswith(path + "/"))
+    return sorted(list_objects(uri))
 
 
 def sha256(uri: str, size: int, progress: Callable[[int], None] | None = None) -> str:
@@ -226,14 +223,6 @@ def sha256(uri: str, size: int, progress: Callable[[int], None] | None = None) -
         if progress:
             progress(len(chunk))
     return h.hexdigest()
-
-
-def upload(local_path: str, uri: str) -> int:
-    """Upload one file (multipart above 2 x PART_SIZE); a failed upload is retried whole."""
-    fs = filesystem(uri)
-    kwargs = {"chunksize": PART_SIZE} if protocol(uri) in ("s3", "s3a") else {}
-    retrying(uri, "upload", lambda: fs.put_file(local_path, fs_path(uri), **kwargs))
-    return os.path.getsize(local_path)
 
 
 def put_bytes(uri: str, data: bytes) -> None:
@@ -255,12 +244,17 @@ def read_if_present(uri: str) -> bytes | None:
     return retrying(uri, "read", call)
 
 
+def write_part_size() -> int:
+    """The part size of open_writer's uploads."""
+    return max(PART_SIZE, 5 << 20)
+
+
 def open_writer(uri: str):
-    """A file object whose writes go to the object in parts of PART_SIZE (a multipart upload,
-    or one PUT for less), the object appearing at close(); discard() drops it instead. At most
-    one part is held in memory."""
+    """A file object whose writes go to the object in parts of write_part_size() (a multipart
+    upload, or one PUT for less), the object appearing at close(); discard() drops it instead.
+    At most one part is held in memory, besides the one being sent."""
     fs = filesystem(uri)
-    return retrying(uri, "open for writing", lambda: fs.open(fs_path(uri), "wb", block_size=max(PART_SIZE, 5 << 20)))
+    return retrying(uri, "open for writing", lambda: fs.open(fs_path(uri), "wb", block_size=write_part_size()))
 
 
 def list_objects(uri: str) -> dict[str, FileFingerprint]:

@@ -208,9 +208,9 @@ class StoreStaging:
         return [(join(self.location, piece_key(shard, offset)), size) for offset, size in found]
 
     def sha256(self, name: str, ledger: ByteLedger | None = None) -> tuple[str, int]:
-        """SHA-256 and size of a staged shard (its pieces read back in order) or small file."""
-        listing = self._listing(fresh=True)
-        pieces = self._pieces(name, listing)
+        """SHA-256 and size of a staged shard (its pieces read back in order) or small file.
+        The pieces are listed once per staging object: every group is done by then."""
+        pieces = self._pieces(name, self._listing())
         if not pieces:
             data = read_small_file(join(self.location, FILES, name))
             return hashlib.sha256(data).hexdigest(), len(data)

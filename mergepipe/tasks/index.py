@@ -6,7 +6,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from contextlib import contextmanager
 
@@ -19,6 +18,7 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.reader import RangeReader
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
+from mergepipe.tasks.heartbeat import beating
 
 log = logging.getLogger("mergepipe.index")
 
@@ -101,23 +101,15 @@ def claiming(catalog: CatalogLocation, family: Family, positions: list[int], blo
     fps = family.expert_fps()
     with db.connect(catalog) as con:
         mine, others = claims.claim(con, family.base_fp, block_size, [fps[i] for i in positions], owner, stale)
-    stop = threading.Event()
 
     def beat() -> None:
-        while not stop.wait(stale / 6):
-            try:
-                with db.connect(catalog) as con:
-                    claims.heartbeat(con, owner)
-            except Exception as err:  # the next beat may get through; a claim lapses only after `stale`
-                log.warning("index claim heartbeat failed: %s", err)
+        with db.connect(catalog) as con:
+            claims.heartbeat(con, owner)
 
-    beating = threading.Thread(target=beat, name="index-claim-heartbeat", daemon=True)
-    beating.start()
     try:
-        yield [i for i in positions if fps[i] in mine], [i for i in positions if fps[i] in others]
+        with beating(beat, stale / 6, "index-claim"):
+            yield [i for i in positions if fps[i] in mine], [i for i in positions if fps[i] in others]
     finally:
-        stop.set()
-        beating.join()
         with db.connect(catalog) as con:
             claims.release(con, owner)
 

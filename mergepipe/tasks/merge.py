@@ -7,7 +7,6 @@ import logging
 import os
 import secrets
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from mergepipe.storage.location import is_remote, set_storage_options, storage_o
 from mergepipe.storage.staging import staging_at, staging_for
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
+from mergepipe.tasks.heartbeat import beating
 
 log = logging.getLogger("mergepipe.merge")
 
@@ -41,25 +41,19 @@ def holding_output(out: str, run_id: str | None) -> Iterator[None]:
     owner = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
     lease = OutputLease(out, Holder(owner, run_id, time.time()), stale)
     lease.acquire()
-    stop = threading.Event()
 
-    def beat() -> None:
-        while not stop.wait(stale / 6):
-            try:
-                lease.beat()
-            except OutputBusy as err:
-                log.error("%s", err)
-                return
-            except Exception as err:  # the next beat may get through; the lease lapses only after `stale`
-                log.warning("%s: output lease heartbeat failed: %s", out, err)
+    def beat() -> bool:
+        try:
+            lease.beat()
+        except OutputBusy as err:  # taken over: nothing left to renew
+            log.error("%s", err)
+            return False
+        return True
 
-    beating = threading.Thread(target=beat, name="output-lease-heartbeat", daemon=True)
-    beating.start()
     try:
-        yield
+        with beating(beat, stale / 6, "output-lease"):
+            yield
     finally:
-        stop.set()
-        beating.join()
         lease.release()
 
 
