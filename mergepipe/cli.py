@@ -26,6 +26,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.flows.automations import LOST_AFTER
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Budget-aware merging of checkpoint families.")
 catalog_app = typer.Typer(no_args_is_help=True, help="Query the catalog.")
@@ -473,9 +474,11 @@ def serve(limit: Optional[int] = typer.Option(None, help="Most flow runs at once
     os.environ["PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL"] = "INFO"
 
     def go() -> None:
-        from prefect import serve as prefect_serve
+        from mergepipe.flows.deployments import RUN_ENV, runner_deployments
 
-        from mergepipe.flows.deployments import runner_deployments
+        for key, value in RUN_ENV.items():  # the runs are this process's children
+            os.environ.setdefault(key, value)
+        from prefect import serve as prefect_serve
 
         prefect_serve(*runner_deployments(), limit=limit, pause_on_shutdown=False)
 
@@ -488,15 +491,18 @@ def automations(
         None, help="URL that failed or crashed merge runs are POSTed to (kept in a Prefect Webhook block)."
     ),
     retry: bool = typer.Option(True, help="Schedule a crashed merge run again (it resumes from its staging)."),
+    lost_after: float = typer.Option(
+        LOST_AFTER, min=0, help="Seconds without a heartbeat after which a running merge run is marked Crashed."
+    ),
 ) -> None:
-    """Create mergepipe's automations on the Prefect server PREFECT_API_URL names: crashed merge
-    runs run again (up to 3 runs), and failed or crashed ones are reported to --webhook.
-    Running it again replaces them."""
+    """Create mergepipe's automations on the Prefect server PREFECT_API_URL names: merge runs
+    whose heartbeats stopped are marked Crashed, crashed merge runs run again (up to 3 runs),
+    and failed or crashed ones are reported to --webhook. Running it again replaces them."""
 
     def go() -> list[str]:
         from mergepipe.flows.automations import install_automations
 
-        return install_automations(webhook, retry_crashed=retry)
+        return install_automations(webhook, retry_crashed=retry, lost_after=lost_after)
 
     for name in run_command(go):
         out_console.print(f"automation in place: {name}")

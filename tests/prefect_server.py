@@ -3,12 +3,14 @@ run Prefect's and mergepipe's commands against it as a user would."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -81,10 +83,35 @@ class PrefectServer:
         )
         return env
 
+    def api(self, method: str, path: str, body=None):
+        """One call to the server's REST API, its JSON answer. A busy server (its SQLite database
+        locked while workers and automations write) answers 503 or 429 for a moment: tried
+        again, as Prefect's own client does."""
+        req = urllib.request.Request(
+            self.api_url + path,
+            data=None if body is None else json.dumps(body).encode(),
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        for attempt in range(6):
+            try:
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    data = r.read()
+                return json.loads(data) if data else None
+            except urllib.error.HTTPError as err:
+                if err.code not in (429, 502, 503) or attempt == 5:
+                    raise
+                time.sleep(0.5 * 2**attempt)
+
     def run(self, *args: str, env: dict, cwd: Path | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
         return subprocess.run(
             [str(BIN / args[0]), *args[1:]], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout
         )
+
+    def work_pool(self, name: str, env: dict) -> None:
+        """A process work pool of this name, made unless an earlier test made it."""
+        made = self.run("prefect", "work-pool", "create", name, "--type", "process", env=env)
+        assert made.returncode == 0 or "already exists" in made.stdout + made.stderr, made.stdout + made.stderr
 
     def start(self, *args: str, env: dict, log: Path, cwd: Path | None = None) -> subprocess.Popen:
         """A long-running client (worker, serve) in its own process group."""
@@ -99,7 +126,7 @@ class PrefectServer:
 
     @staticmethod
     def terminate(proc: subprocess.Popen, timeout: float = 30) -> None:
-        """SIGTERM (Prefect's worker and serve ignore SIGINT) to the whole group, then SIGKILL."""
+        """SIGTERM to the whole group (what a service manager sends), then SIGKILL."""
         if proc.poll() is None:
             try:
                 os.killpg(proc.pid, signal.SIGTERM)

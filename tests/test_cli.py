@@ -120,6 +120,13 @@ def test_bad_budget_flag_and_missing_model(bf16_family, tmp_path):
     assert not list(tmp_path.glob(".o.mergepipe-staging-*"))
 
 
+def test_automations_refuse_a_silence_shorter_than_the_heartbeat():
+    """Heartbeats come every 30 s: a run silent for 20 s is alive. Refused before any server is
+    asked (none is configured here)."""
+    r = runner.invoke(app, ["automations", "--lost-after", "20"])
+    assert r.exit_code == 2 and "--lost-after 20" in r.output and "every 30 s" in r.output
+
+
 def test_output_inside_an_input_is_refused(bf16_family, tmp_path):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     r = runner.invoke(app, ["merge", str(cfg), "--out", str(bf16_family.experts[0] / "merged")])

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import json
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
 import yaml
 
-from mergepipe.flows.deployments import DEPLOYMENTS, WORK_POOL, load_flow
+from mergepipe.flows.automations import LOST_NAME, NOTIFY_NAME, RETRY_NAME
+from mergepipe.flows.deployments import DEPLOYMENTS, RUN_ENV, WORK_POOL, load_flow
 from mergepipe.flows.merge import merge
 from mergepipe.flows.sweep import budget_sweep
 from mergepipe.publish.manifest import verify_output
@@ -36,6 +36,7 @@ def test_prefect_yaml_declares_the_served_deployments():
         assert (y.get("parameters") or {}) == d.parameters
         assert [s["cron"] for s in y.get("schedules", [])] == ([d.cron] if d.cron else [])
         assert y["work_pool"]["name"] == WORK_POOL
+        assert y["work_pool"]["job_variables"] == {"env": RUN_ENV}
 
 
 def test_each_flow_is_found_where_its_deployment_entrypoint_points():
@@ -102,8 +103,7 @@ def test_budget_sweep_flow(bf16_family, tmp_path, session_catalog):
 
 
 def _deployment(server, name: str) -> dict:
-    with urllib.request.urlopen(f"{server.api_url}/deployments/name/{name}", timeout=10) as r:
-        return json.loads(r.read())
+    return server.api("GET", f"/deployments/name/{name}")
 
 
 def _run_merge_deployment(server, env, cfg: Path, out: Path, catalog: Path, deployment: str = "merge/merge"):
@@ -134,8 +134,7 @@ def test_deploy_with_a_worker_then_serve(prefect_server, bf16_family, tmp_path):
     cfg = config_for(tmp_path, bf16_family, "task_arithmetic")
     catalog = tmp_path / "catalog.duckdb"
 
-    made = server.run("prefect", "work-pool", "create", WORK_POOL, "--type", "process", env=env)
-    assert made.returncode == 0, made.stdout + made.stderr
+    server.work_pool(WORK_POOL, env)
     deployed = server.run(
         "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml", env=env, cwd=REPO
     )
@@ -282,7 +281,7 @@ def test_automations_run_a_crashed_merge_again_and_report_failures(
     url = f"http://127.0.0.1:{server.server_address[1]}/hook"
     made = CliRunner().invoke(app, ["automations", "--webhook", url])
     assert made.exit_code == 0, made.output
-    assert made.output.count("automation in place") == 2
+    assert made.output.count("automation in place") == 3
 
     def wait_for(check, what: str):
         deadline = time.monotonic() + 90
@@ -309,5 +308,5 @@ def test_automations_run_a_crashed_merge_again_and_report_failures(
         wait_for(lambda: any(r["flow_run_id"] == str(run.id) and r["state"] == "Crashed" for r in received), "report")
     finally:
         server.shutdown()
-        for name in ("mergepipe: run a crashed merge again", "mergepipe: report a failed or crashed merge"):
+        for name in (LOST_NAME, RETRY_NAME, NOTIFY_NAME):
             Automation.read(name=name).delete()

@@ -11,6 +11,7 @@ from mergepipe.flows import index_family as _index_family
 from mergepipe.flows import merge as _merge
 from mergepipe.flows import replay as _replay
 from mergepipe.flows import sweep as _sweep
+from mergepipe.flows.automations import HEARTBEAT_SECONDS
 
 index_family = _index_family.index_family.prefect
 plan = _merge.plan.prefect
@@ -19,6 +20,10 @@ budget_sweep = _sweep.budget_sweep.prefect
 replay = _replay.replay.prefect
 
 WORK_POOL = "mergepipe-process"
+# The environment of every run (a work pool's job variables; `serve` sets it in its own): flow
+# runs send heartbeats, so that a run whose process or machine is lost is marked Crashed
+# (flows.automations) and runs again.
+RUN_ENV = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS)}
 NIGHTLY_CRON = "0 2 * * *"  # 02:00 UTC every day
 
 

@@ -12,7 +12,7 @@ from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput
 from mergepipe.execute.memory import output_buffer, plan_memory
 from mergepipe.flows.artifacts import plan_artifact
-from mergepipe.flows.automations import refuse_endless_retries
+from mergepipe.flows.automations import begin_attempt
 from mergepipe.flows.common import Execution, FirstMerge, execute_plan, flow_run_id, now, run_index
 from mergepipe.flows.orchestration import declare_flow, in_process, run_task
 from mergepipe.plan import saved
@@ -129,7 +129,7 @@ def merge(
         memory: The merge process's memory budget, a size such as 8GiB (default: the config's
             `memory`, else half the machine's memory).
     """
-    refuse_endless_retries()
+    begin_attempt()
     t0 = time.perf_counter()
     started = now()
     run_time, run_name = run_names() if "{" in out else (None, None)

@@ -8,7 +8,7 @@ from typing import Literal
 from mergepipe.config.request import MergeRequest, build_request
 from mergepipe.config.spec import validate_spec
 from mergepipe.errors import BadInput
-from mergepipe.flows.automations import refuse_endless_retries
+from mergepipe.flows.automations import begin_attempt
 from mergepipe.flows.common import Execution, execute_plan, flow_run_id, now, run_index
 from mergepipe.flows.orchestration import declare_flow
 from mergepipe.plan import saved
@@ -43,7 +43,7 @@ def replay(
         memory: The process's memory budget, a size such as 8GiB (default: half the machine's
             memory).
     """
-    refuse_endless_retries()
+    begin_attempt()
     t0 = time.perf_counter()
     started = now()
     # Manifests never hold storage options: object stores are reached with the environment's
