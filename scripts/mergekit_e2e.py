@@ -316,6 +316,116 @@ parameters:
 dtype: float32
 """
 
+# The methods added after the first parity round, each as its users write it.
+CONFIGS["karcher"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+  - model: garage-bAInd/Platypus2-13B
+merge_method: karcher
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  max_iter: 20
+  tol: 1.0e-6
+dtype: float32
+"""
+
+CONFIGS["multislerp"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 0.5
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      weight: 0.3
+  - model: WizardLM/WizardMath-13B-V1.0
+    parameters:
+      weight: [0.2, 0.8]
+merge_method: multislerp
+base_model: TheBloke/Llama-2-13B-fp16
+dtype: float32
+"""
+
+CONFIGS["sce"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+  - model: garage-bAInd/Platypus2-13B
+  - model: WizardLM/WizardMath-13B-V1.0
+merge_method: sce
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  select_topk: 0.6
+dtype: float32
+"""
+
+CONFIGS["ram"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+  - model: garage-bAInd/Platypus2-13B
+  - model: WizardLM/WizardMath-13B-V1.0
+merge_method: ram
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  epsilon: 0.0005
+dtype: float32
+"""
+
+CONFIGS["ramplus_tl"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+  - model: garage-bAInd/Platypus2-13B
+merge_method: ramplus_tl
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  r: 0.3
+  alpha: 0.5
+  epsilon: 0.0005
+dtype: float32
+"""
+
+CONFIGS["nearswap"] = """\
+models:
+  - model: TheBloke/Llama-2-13B-fp16
+  - model: psmathur/orca_mini_v3_13b
+merge_method: nearswap
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  t: [0.0001, 0.001, 0.01]
+dtype: float32
+"""
+
+CONFIGS["karcher_base_listed"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+  - model: TheBloke/Llama-2-13B-fp16
+  - model: garage-bAInd/Platypus2-13B
+merge_method: karcher
+base_model: TheBloke/Llama-2-13B-fp16
+dtype: float32
+"""
+
+CONFIGS["linear_global_weight"] = """\
+models:
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 0.7
+  - model: garage-bAInd/Platypus2-13B
+    parameters:
+      weight: 0.4
+merge_method: linear
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  weight: 0.25
+dtype: float32
+"""
+
+CONFIGS["arcee_fusion"] = """\
+models:
+  - model: garage-bAInd/Platypus2-13B
+merge_method: arcee_fusion
+base_model: TheBloke/Llama-2-13B-fp16
+dtype: float32
+"""
+
 # --------------------------------------------------------------------------- running mergekit
 
 

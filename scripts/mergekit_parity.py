@@ -616,7 +616,133 @@ CASES: list[dict] = [
         "with base; expert 0 exactly equals the base",
         zero_expert=0,
     ),
+    # nearswap: inputs [base, x0]; w = clamp(t / max(|base - x0|, 1e-6), 0, 1) per element
+    _case("nearswap_t001", "nearswap", {"t": 0.001}, 1, (16, 24), "t of the order of the deltas: w spans (0, 1]"),
+    _case(
+        "nearswap_t1e7_3d", "nearswap", {"t": 1e-7}, 1, (3, 4, 5), "t below the 1e-6 floor: w < 1 even where x0 = base"
+    ),
+    _case("nearswap_t0", "nearswap", {"t": 0.0}, 1, (7,), "t 0: the base"),
+    # ram / ramplus_tl: deltas above epsilon; unique ones added, shared ones averaged
+    _case("ram_k3", "ram", {}, 3, (16, 24), "epsilon default 1e-5, below every nonzero delta"),
+    _case(
+        "ram_k3_eps",
+        "ram",
+        {"epsilon": 0.002},
+        3,
+        (3, 4, 5),
+        "epsilon near the deltas' scale: elements with one, two or three contributors",
+    ),
+    _case("ram_k2_1d", "ram", {"epsilon": 0.001}, 2, (7,), "1-D, K=2"),
+    _case("ramplus_tl_k3", "ramplus_tl", {}, 3, (16, 24), "defaults r 0.1, alpha 0.2, epsilon 1e-5"),
+    _case(
+        "ramplus_tl_k3_eps",
+        "ramplus_tl",
+        {"r": 0.5, "alpha": 0.9, "epsilon": 0.002},
+        3,
+        (3, 4, 5),
+        "a larger boost; epsilon near the deltas' scale so every expert has unique elements",
+    ),
+    _case(
+        "ramplus_tl_k2_no_unique",
+        "ramplus_tl",
+        {},
+        2,
+        (16, 24),
+        "no element is changed by one expert alone outside the zero rows: rho is large, clipped at alpha",
+    ),
+    # karcher: the base is one of the inputs (mergekit adds it to a base-ignoring method's inputs)
+    _case("karcher_k2", "karcher", {}, 2, (16, 24), "base + 2 models, defaults max_iter 10, tol 1e-5"),
+    _case("karcher_k3_far_3d", "karcher", {}, 3, (3, 4, 5), "deltas as large as the base", delta_scale=0.02),
+    _case(
+        "karcher_k2_one_iter",
+        "karcher",
+        {"max_iter": 1, "tol": 1e-9},
+        2,
+        (16, 24),
+        "one step, a tolerance too small to stop it",
+        delta_scale=0.05,
+    ),
+    _case(
+        "karcher_k2_zero_model", "karcher", {}, 2, (7,), "model 1 is all zeros: dropped from the mean", zero_tensor=1
+    ),
+    # multislerp: deltas from the base; normalized weights by default
+    _case("multislerp_k3", "multislerp", {"weight": [1.0, 0.5, 0.75]}, 3, (16, 24), "K=3, normalized weights"),
+    _case(
+        "multislerp_k2_raw_3d",
+        "multislerp",
+        {"weight": [0.3, 0.9], "normalize_weights": False},
+        2,
+        (3, 4, 5),
+        "weights as given",
+        delta_scale=0.02,
+    ),
+    _case("multislerp_k1", "multislerp", {"weight": [0.5]}, 1, (16, 24), "one expert: returned as it is"),
+    # sce: variance top-k over the experts, energy shares, sign election; no weights
+    _case("sce_k3", "sce", {}, 3, (16, 24), "select_topk default 1: every element, election and energy shares"),
+    _case("sce_k3_topk_3d", "sce", {"select_topk": 0.3}, 3, (3, 4, 5), "the 30% of elements that vary most"),
+    _case("sce_k2_topk_1d", "sce", {"select_topk": 0.5}, 2, (7,), "1-D, K=2"),
+    _case(
+        "sce_k2_tiny", "sce", {}, 2, (16, 24), "deltas so small the energy sum is below 1e-6: uniform", delta_scale=1e-5
+    ),
+    # arcee_fusion: importance |delta| x KL of the rows' softmaxes; keep above median + 1.5 IQR
+    _case("arcee_fusion_2d", "arcee_fusion", {}, 1, (16, 24), "quartiles of 384 importances, sorted whole"),
+    _case("arcee_fusion_3d", "arcee_fusion", {}, 1, (3, 4, 5), "softmax over the last dim of a 3-D tensor"),
+    _case("arcee_fusion_1d", "arcee_fusion", {}, 1, (7,), "1-D: one row, one KL for the whole tensor"),
 ]
+
+# Above 10^6 elements arcee_fusion reads its quartiles off 10^6 positions that mergekit draws
+# from torch's global generator (torch.randint, right after the seed below). Such inputs are too
+# large to store: they are made again from `inputs_seed` (sampled_inputs, which the test imports)
+# and the record keeps the SHA-256 of the inputs' and the output's bits.
+SAMPLED_CASES = [
+    {
+        "case": "arcee_fusion_sampled",
+        "method": "arcee_fusion",
+        "shape": [1001, 1000],
+        "inputs_seed": 7,
+        "rng_seed": 11,
+        "note": "1,001,000 elements: the quartiles of a sample of 10^6 positions drawn with replacement",
+    }
+]
+
+
+def sampled_inputs(shape: tuple, seed: int):
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(shape, generator=g, dtype=torch.float32) * BASE_SCALE
+    return base, base + torch.randn(shape, generator=g, dtype=torch.float32) * DELTA_SCALE
+
+
+def bits_sha256(*tensors) -> str:
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.contiguous().view(-1).view(torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
+def generate_sampled_case(case: dict) -> dict:
+    import torch
+
+    base, x = sampled_inputs(tuple(case["shape"]), case["inputs_seed"])
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(case["rng_seed"])
+        outs.append(_run(case["method"], [base, x], 0, {}))
+    if not _same_bits(*outs):
+        raise AssertionError(f"{case['case']}: two runs from the same seed differ")
+    return {
+        **case,
+        "sampled": True,
+        "mergekit_version": MERGEKIT_VERSION,
+        "inputs_sha256": bits_sha256(base, x),
+        "out_sha256": bits_sha256(outs[0]),
+    }
+
 
 RANDOM_METHODS = {"dare_linear", "dare_ties", "della", "della_linear"}
 
@@ -868,6 +994,9 @@ def generate(out_dir: Path, check: bool) -> int:
             f" bernoulli calls: {len(record['mask_experts'])}",
             file=sys.stderr,
         )
+    for case in SAMPLED_CASES:
+        records.append(generate_sampled_case(case))
+        print(f"{case['case']:32s} {case['method']:16s} {str(tuple(case['shape'])):12s} sampled", file=sys.stderr)
     text = json.dumps(records, indent=1) + "\n"
     st_path, json_path = out_dir / f"{STEM}.safetensors", out_dir / f"{STEM}.json"
     # One metadata key: safetensors writes several keys in hash order, so the bytes would vary.

@@ -34,6 +34,7 @@ CASES = {
     "model_stock": ({}, 3, {}),
     "slerp": ({}, 1, {"t": 0.3}),
     "nuslerp": ({}, 2, {}),
+    "nearswap": ({}, 1, {"t": 0.001}),
 }
 
 # What the catalog holds of a family's statistics, without the times rows were written.

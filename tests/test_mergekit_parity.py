@@ -7,6 +7,7 @@ in fp32, so outputs may differ there by a few ulps of the tensor's magnitude (at
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,7 +20,9 @@ from mergepipe.operators.nuslerp import nuslerp, nuslerp_t
 from mergepipe.operators.sparsify import della_keep_probs
 
 DATA = Path(__file__).parent / "data"
-CASES = json.loads((DATA / "mergekit_parity.json").read_text())
+RECORDS = json.loads((DATA / "mergekit_parity.json").read_text())
+CASES = [c for c in RECORDS if not c.get("sampled")]  # inputs and output stored
+SAMPLED = [c for c in RECORDS if c.get("sampled")]  # made again from a seed, output as a digest
 TENSORS = load_file(str(DATA / "mergekit_parity.safetensors"))
 
 
@@ -35,10 +38,25 @@ def _params(case: dict, op) -> MergeParams:
         "density": tuple(p.get("density", [1.0] * k)),
         "lambda_": p.get("lambda", 1.0),
         "gamma": tuple(p.get("gamma", [])),
-        "epsilon": tuple(p.get("epsilon", [])),
+        # per model for della (a list), one value for ram and ramplus_tl
+        "epsilon": p["epsilon"] if isinstance(p.get("epsilon"), float) else tuple(p.get("epsilon", [])),
         **{
             name: p[name]
-            for name in ("normalize", "rescale", "t", "filter_wise", "nuslerp_flatten", "nuslerp_row_wise")
+            for name in (
+                "normalize",
+                "rescale",
+                "t",
+                "filter_wise",
+                "nuslerp_flatten",
+                "nuslerp_row_wise",
+                "r",
+                "alpha",
+                "max_iter",
+                "tol",
+                "normalize_weights",
+                "eps",
+                "select_topk",
+            )
             if name in p
         },
     }
@@ -112,3 +130,63 @@ def test_della_keep_probabilities_match_mergekit(case):
         # entries of a row tie (here, wherever the delta is not zero).
         moved = tau != 0
         assert torch.equal(ours[moved], theirs[moved]), name
+
+
+def test_multislerp_where_no_expert_changed_the_tensor_is_the_base():
+    """Deliberately unlike mergekit, which stops with an error there (three or more experts);
+    directions that cancel out while the deltas do not are still refused, naming the tensor."""
+    from mergepipe.errors import BadInput
+
+    op = OPERATORS["multislerp"]
+    base = torch.randn(4, 6)
+    params = op.params(3, weight=(1.0, 1.0, 1.0))
+    ctx = TensorContext("model.norm.weight", ((0, 4),), seed=0)
+    got = op.merge(base, [base.clone(), base.clone(), base.clone()], params, ctx)
+    assert torch.equal(got, base)
+    zero, delta = torch.zeros(4, 6), torch.randn(4, 6)  # a zero base: the deltas are exact
+    with pytest.raises(BadInput, match="model.norm.weight: multislerp: .* cancel out"):
+        op.merge(zero, [delta, -delta, zero.clone()], op.params(3, weight=(1.0, 1.0, 0.5)), ctx)
+
+
+def test_karcher_max_iter_is_a_whole_number(tmp_path):
+    from mergepipe.config.spec import load_spec
+    from mergepipe.errors import BadInput
+
+    cfg = tmp_path / "k.yaml"
+    cfg.write_text("merge_method: karcher\nbase_model: b\nmodels: [{model: a}]\nparameters: {max_iter: 2.5}\n")
+    with pytest.raises(BadInput, match="max_iter.*whole number"):
+        load_spec(cfg)
+
+
+def _parity_script():
+    """scripts/mergekit_parity.py as a module, for the inputs it makes from a seed (it imports
+    mergekit only inside the functions that run it)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "mergekit_parity", Path(__file__).parent.parent / "scripts" / "mergekit_parity.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("case", SAMPLED, ids=[c["case"] for c in SAMPLED])
+def test_arcee_fusion_above_a_million_elements_matches_mergekit_with_its_draws_replayed(case):
+    """mergekit reads the quartiles off positions drawn from torch's global generator right
+    after the seed it ran under; the same draw, replayed, gives its output bit for bit. The
+    seeded draw mergepipe makes itself repeats from merge to merge."""
+    script = _parity_script()
+    base, x = script.sampled_inputs(tuple(case["shape"]), case["inputs_seed"])
+    assert script.bits_sha256(base, x) == case["inputs_sha256"]
+    op = OPERATORS[case["method"]]
+
+    def mergekits_draw(n: int, size: int, ctx: TensorContext) -> torch.Tensor:
+        torch.manual_seed(case["rng_seed"])
+        return torch.randint(n, (size,))
+
+    ctx = TensorContext("model.layers.0.mlp.up_proj.weight", ((0, case["shape"][0]),), seed=0)
+    replayed = dataclasses.replace(ctx, sample=mergekits_draw)
+    assert script.bits_sha256(op.merge(base, [x], op.params(1), replayed)) == case["out_sha256"]
+    ours = op.merge(base, [x], op.params(1), ctx)
+    assert torch.equal(ours, op.merge(base, [x], op.params(1), ctx))

@@ -11,9 +11,11 @@ import yaml
 from mergepipe.config.spec import load_spec
 from mergepipe.devtools.synthetic import make_family
 from mergepipe.flows.merge import merge
+from mergepipe.flows.replay import replay
 from mergepipe.index.blocks import block_rows
 from mergepipe.operators import OPERATORS, TensorContext
 from mergepipe.plan.params import resolve_params
+from mergepipe.publish.manifest import MANIFEST_FILE, verify_output
 
 from .helpers import assert_bit_identical
 from .reference import load_model
@@ -26,6 +28,13 @@ CASES = {
     "model_stock": ({}, 3, {"filter_wise": True}),
     "slerp": ({}, 1, {"t": 0.3}),
     "nuslerp": ({}, 2, {"nuslerp_flatten": False}),
+    "nearswap": ({}, 1, {"t": 0.001}),
+    "ram": ({}, 3, {"epsilon": 0.001}),
+    "ramplus_tl": ({}, 3, {"r": 0.3, "alpha": 0.5}),
+    "karcher": ({}, 3, {}),
+    "multislerp": ({}, 3, {"normalize_weights": False}),
+    "sce": ({}, 3, {"select_topk": 0.5}),
+    "arcee_fusion": ({}, 1, {}),
 }
 
 
@@ -87,3 +96,8 @@ def test_new_operator_end_to_end(method, fp32_three, tmp_path, session_catalog):
     assert torch.isfinite(
         torch.cat([t.reshape(-1) for t in load_model(tmp_path / "part").values() if t.is_floating_point()])
     ).all()
+    # The manifest replays the partial merge to the same digest.
+    again = replay(
+        manifest=str(tmp_path / "part" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=session_catalog
+    )
+    assert again["digest"] == part["digest"] and verify_output(tmp_path / "again").ok

@@ -185,3 +185,34 @@ def test_catalog_writers_wait_for_the_lock_then_time_out_clearly(tmp_path):
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_energy_share_weighs_each_coefficient_by_the_experts_share_of_the_tensor(tmp_path):
+    """sce's ranking: |c_k| times expert k's share of the tensor's delta energy among the plan's
+    experts (1/K where it is all zero), times the block's delta norm; from the catalog alone."""
+    stats, coefs = _stats(11), [0.5, -1.5, 0.25]
+    cm, con, _ = _setup(tmp_path, stats, coefs)
+    try:
+        per_tensor = {f"t{j}": [_coef(coefs, e, f"t{j}") for e in range(3)] for j in range(7)}
+        fps = [f"fp{i}" for i in range(3)]
+        planner.rank_candidates(con, "base", 4096, fps, per_tensor, skip_zero=True, energy_share=True)
+        got = {
+            (e, t, b): s
+            for e, t, b, s in con.execute("SELECT expert, tensor, block, score FROM plan_candidates").fetchall()
+        }
+    finally:
+        cm.__exit__(None, None, None)
+    rows = stats.to_pylist()
+    energy = {}
+    for r in rows:
+        key = (int(r["expert_fp"][2:]), r["tensor"])
+        energy[key] = energy.get(key, 0.0) + r["delta_sq"]
+    expected = {}
+    for r in rows:
+        e, t = int(r["expert_fp"][2:]), r["tensor"]
+        total = sum(energy[(j, t)] for j in range(3))
+        share = energy[(e, t)] / total if total > 0 else 1 / 3
+        if r["nnz_delta"] and _coef(coefs, e, t) != 0:
+            expected[(e, t, r["block"])] = abs(_coef(coefs, e, t)) * share * math.sqrt(r["delta_sq"])
+    assert got.keys() == expected.keys()
+    assert all(math.isclose(got[k], v, rel_tol=1e-12) for k, v in expected.items())

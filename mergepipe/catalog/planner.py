@@ -23,11 +23,14 @@ def rank_candidates(
     *,
     skip_zero: bool,
     rank_by: str = "delta",
+    energy_share: bool = False,
 ) -> int:
     """Build the temp table plan_candidates from each expert's coefficient per tensor (filters
     and gradients make it vary); returns how many pairs are worth reading. With skip_zero, a
     pair whose coefficient is 0 is not worth reading. rank_by: the value ranked per byte
-    (planner.sql); 'delta_over_sqrt_base' needs the base's block energies."""
+    (planner.sql); 'delta_over_sqrt_base' needs the base's block energies. energy_share: each
+    coefficient is weighted by the expert's share of the tensor's delta energy (sce,
+    energy_share.sql) before the ranking."""
     if rank_by == "delta_over_sqrt_base":
         missing = missing_base_energies(con, base_fp, block_size)
         if missing:  # run_index fills them first; this guards a caller that did not
@@ -49,6 +52,12 @@ def rank_candidates(
     )
     con.register("plan_coefficients_in", table)
     try:
+        if energy_share:
+            table = con.execute(
+                sql_text("energy_share.sql"), {"base_fp": base_fp, "block_size": block_size}
+            ).to_arrow_table()
+            con.unregister("plan_coefficients_in")
+            con.register("plan_coefficients_in", table)
         con.execute(
             sql_text("planner.sql"),
             {"base_fp": base_fp, "block_size": block_size, "skip_zero": skip_zero, "rank_by": rank_by},

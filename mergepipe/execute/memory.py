@@ -135,11 +135,11 @@ def _need_of(method: str, dtype: str, shape: tuple[int, ...], expert_dtypes, out
     read = dt.itemsize + sum(DTYPES[d].itemsize for d in expert_dtypes)
     per = read + DTYPES[out_dtype].itemsize
     if op.elementwise:  # the fp32 base, an accumulator and one expert's widened rows
-        per += 4 * 3
+        per += 4 * (3 + op.elementwise_temporaries)
     elif op.has_slab_form:  # fp32 only per slab (slabs.py), the fp32 base when it is small
         per += 4 if 4 * numel <= WHOLE_BASE_BYTES else 0
     else:  # whole fp32 tensors: the base, a few work buffers, each expert's values and delta
-        per += 4 * (3 + 2 * len(expert_dtypes))
+        per += 4 * (3 + op.work_buffers_per_expert * len(expert_dtypes))
     if op.elementwise:
         return numel, per, RUNS, read, 1, 0 < numel <= BATCH_TENSOR_ELEMENTS
     if op.windows_apply(params, tuple(shape)):

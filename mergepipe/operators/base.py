@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Literal
 
 from mergepipe import torch
-from mergepipe.operators.draws import default_keep
+from mergepipe.operators.draws import default_keep, default_sample
 from mergepipe.operators.rows import ExpertRows, as_rows
 
 Kind = Literal["float", "bool"]
@@ -55,6 +55,9 @@ GAMMA = Parameter(
 )  # breadcrumbs: share of the largest |delta| dropped
 EPSILON = Parameter("epsilon", per_model=True, default=0.15, check=_share_range)  # della: spread of keep probabilities
 LAMBDA = Parameter("lambda", default=1.0)
+# The resolved value that places the base among the inputs (Operator.base_among_inputs): set by
+# the planner, not by a config.
+BASE_AT = "base_at"
 # Accepted for mergekit configs; changes nothing here (merges run in fp32).
 INT8_MASK = Parameter("int8_mask", "bool", default=False)
 
@@ -99,6 +102,9 @@ class MergeParams:
             return self._by_name[name]
         except KeyError:
             raise KeyError(f"parameter {name!r} was not resolved for this operator") from None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self._by_name.get(name, default)
 
     def base_value(self, name: str) -> Any:
         """The base's own value of a per-model parameter; None when the base is not an input."""
@@ -155,6 +161,8 @@ class TensorContext:
     keep: draws a keep-mask for an expert from per-element keep probabilities (a tensor of the
     delta's shape, or a 0-d one); by default from generators seeded per block. Tests replace it
     to replay masks another implementation drew.
+    sample: draws positions of a flattened tensor with replacement (n, size), seeded by the
+    spec's seed and the tensor's name; tests replace it too.
     base_reusable: merge() may overwrite `base` with its result (one tensor-sized buffer fewer).
     nonzero_at_most: per expert, at most how many elements of its delta are nonzero (None or
     missing: unknown), from the index's statistics, so that a search can end before a pass."""
@@ -163,6 +171,7 @@ class TensorContext:
     block_rows: tuple[tuple[int, int], ...]
     seed: int
     keep: Callable[[int, torch.Tensor, "TensorContext"], torch.Tensor] = field(default=default_keep, compare=False)
+    sample: Callable[[int, int, "TensorContext"], torch.Tensor] = field(default=default_sample, compare=False)
     base_reusable: bool = field(default=False, compare=False)
     nonzero_at_most: tuple[int | None, ...] = field(default=(), compare=False)
 
@@ -255,6 +264,18 @@ class Operator(ABC):
     # merge_windows can merge a tensor too large to hold a window of rows at a time, read from
     # storage in passes: first its tensor-wide quantities, then the merge.
     windowed: ClassVar[bool] = False
+    # The planner weighs each coefficient by the expert's share of the tensor's delta energy,
+    # from the catalog's block statistics (sce's per-tensor weights).
+    ranks_by_energy_share: ClassVar[bool] = False
+    # The base is one of the method's inputs, in mergekit's order of them (karcher): its
+    # position, params[BASE_AT], is where the config lists it among `models:`, else last.
+    base_among_inputs: ClassVar[bool] = False
+    # fp32 buffers the size of the tensor that merge() holds per expert at its peak, besides the
+    # base and a few of its own: the memory plan's estimate for operators merged whole.
+    work_buffers_per_expert: ClassVar[int] = 2
+    # The same for an elementwise operator: fp32 temporaries per element beyond the base, one
+    # accumulator and one expert's values.
+    elementwise_temporaries: ClassVar[int] = 0
     min_experts: ClassVar[int] = 1
     max_experts: ClassVar[int | None] = None
 

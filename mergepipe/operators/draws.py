@@ -50,3 +50,10 @@ def block_draws(ctx: TensorContext, expert: int, block: int, shape: tuple[int, .
 def default_keep(expert: int, probs: torch.Tensor, ctx: TensorContext) -> torch.Tensor:
     """TensorContext.keep's default: the seeded per-block draws (tests replay other draws)."""
     return bernoulli_keep_mask(probs, expert, ctx)
+
+
+def default_sample(n: int, size: int, ctx: TensorContext) -> torch.Tensor:
+    """TensorContext.sample's default: `size` positions in [0, n), drawn with replacement from a
+    generator seeded by the spec's seed and the tensor (tests replay other draws)."""
+    g = torch.Generator().manual_seed(block_seed(ctx.seed, -1, ctx.name, -1))
+    return torch.randint(n, (size,), generator=g)

@@ -8,10 +8,17 @@ in input order in fp32 with multiply-add (as mergekit 0.1.5); a weight sum of ze
 
 from __future__ import annotations
 
-import itertools
-
 from mergepipe import torch
-from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
+from mergepipe.operators.base import (
+    BASE_AT,
+    INT8_MASK,
+    WEIGHT,
+    ExpertSource,
+    MergeParams,
+    Operator,
+    TensorContext,
+    flag,
+)
 from mergepipe.operators.gta import scalar_denominator
 
 
@@ -21,6 +28,7 @@ class Linear(Operator):
     additive = True
     needs_base = False  # mergekit's linear takes none; the first model is then the reference
     base_weighted = True
+    base_among_inputs = True
     zero_coefficient_unused = True
     elementwise = True
 
@@ -35,9 +43,14 @@ class Linear(Operator):
     def merge_source(
         self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
     ) -> torch.Tensor:
-        weighted_base = [base] if params.base_value("weight") is not None else []
-        inputs = itertools.chain(weighted_base, experts)  # one at a time
+        # In mergekit's order of the inputs (the order of the sum): the base where the config
+        # lists it, or after the models where only a global weight makes it an input.
+        order: list = list(range(len(experts)))
+        if params.base_value("weight") is not None:
+            order.insert(params.get(BASE_AT, 0), None)
+        weights = iter(params["weight"])
         acc = torch.zeros_like(base)
-        for w, x in zip(self._all_weights(params), inputs):
+        for k in order:  # one expert at a time
+            w, x = (params.base_value("weight"), base) if k is None else (next(weights), experts[k])
             acc.addcmul_(x, torch.tensor(w, dtype=acc.dtype))
         return acc / scalar_denominator(self._all_weights(params)) if params["normalize"] else acc

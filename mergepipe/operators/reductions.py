@@ -27,6 +27,13 @@ def fixed_sum(flat: torch.Tensor) -> torch.Tensor:
     return torch.tensor(parts.sum(), dtype=flat.dtype)
 
 
+def fixed_mean(flat: torch.Tensor) -> torch.Tensor:
+    """Mean of a 1-D tensor, as a 0-d tensor of its dtype."""
+    if flat.numel() <= GRAIN:
+        return flat.mean()
+    return fixed_sum(flat) / flat.numel()
+
+
 def fixed_norm(flat: torch.Tensor) -> torch.Tensor:
     """Euclidean norm of a 1-D tensor, as a 0-d tensor of its dtype."""
     if flat.numel() <= GRAIN:
@@ -35,9 +42,18 @@ def fixed_norm(flat: torch.Tensor) -> torch.Tensor:
     return torch.tensor(np.sqrt(np.square(parts).sum()), dtype=flat.dtype)
 
 
+def fixed_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.dot of two 1-D tensors (BLAS's, as mergekit's karcher takes it), as a 0-d tensor of
+    their dtype."""
+    if a.numel() <= GRAIN:
+        return torch.dot(a, b)
+    parts = np.array([float(torch.dot(x, y)) for x, y in zip(_chunks(a), _chunks(b))], dtype=np.float64)
+    return torch.tensor(parts.sum(), dtype=a.dtype)
+
+
 def _last_dim(x: torch.Tensor, fn_fixed, fn_torch) -> torch.Tensor:
     """A reduction over the last dim, keepdim; one-output reductions go through `fn_fixed`."""
-    if x.shape[:-1].numel() == 1:
+    if x.dim() > 0 and x.shape[:-1].numel() == 1:  # (a 0-d tensor keeps its shape, as in torch)
         return fn_fixed(x.reshape(-1)).reshape(*x.shape[:-1], 1)
     return fn_torch(x)
 

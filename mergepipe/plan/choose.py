@@ -64,6 +64,7 @@ def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: l
         coefficients,
         skip_zero=op.zero_coefficient_unused,
         rank_by=spec.rank_by,
+        energy_share=op.ranks_by_energy_share,
     )
 
 

@@ -11,6 +11,7 @@ from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import layer_count, layer_position
 from mergepipe.operators import MergeParams, ParamTable, get_operator
+from mergepipe.operators.base import BASE_AT
 
 
 def _where(tensor: str) -> str:
@@ -96,6 +97,13 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
             base_values = None  # not listed and no global value: the base is not an input
         else:
             base_values = {k: None if v is None else float(v) for k, v in base_values.items()}
+    if op.base_among_inputs and (base_values is not None or not op.base_weighted):
+        # where mergekit puts the base among the inputs: at its own entry, else after the
+        # models; first is the default, left out so that such plans keep their digests
+        entry = spec.base_entry
+        at = len(experts) if entry is None else spec.models.index(entry)
+        if at:
+            resolved[BASE_AT] = at
     params = MergeParams.of(len(experts), resolved, base_values)
     problem = op.check(params)
     if problem is not None:
