@@ -426,6 +426,91 @@ base_model: TheBloke/Llama-2-13B-fp16
 dtype: float32
 """
 
+# `slices:` configs of the kinds users publish. A frankenmerge: passthrough interleaving two
+# models' layer ranges into more layers than either has (6 from 4).
+CONFIGS["passthrough_frankenmerge"] = """\
+slices:
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 2]
+  - sources:
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [1, 3]
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [2, 4]
+        parameters:
+          scale:
+            - filter: o_proj
+              value: 0.5
+            - value: 1.0
+merge_method: passthrough
+dtype: float32
+"""
+
+# slerp with a gradient of t per slice (each over its own layers), filters, and a global t for
+# what no slice setting matches.
+CONFIGS["slerp_slices"] = """\
+slices:
+  - sources:
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [0, 2]
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 2]
+    parameters:
+      t:
+        - filter: self_attn
+          value: [0, 0.6]
+        - value: 0.3
+  - sources:
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [2, 4]
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [2, 4]
+    parameters:
+      t:
+        - filter: mlp
+          value: [0.8, 0.2]
+merge_method: slerp
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  t: 0.5
+dtype: float32
+"""
+
+# Per-slice overrides (mergekit 0.1.5 has no per-slice merge_method; a slice overrides
+# parameters): each slice its own sources, layer ranges that pair an expert's layer j with the
+# base's layer i, the base listed at another place, and slice-level weight and lambda.
+CONFIGS["task_arithmetic_slices"] = """\
+slices:
+  - sources:
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [0, 2]
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 2]
+        parameters:
+          weight: 0.7
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [0, 2]
+        parameters:
+          weight: [0.2, 0.6]
+  - sources:
+      - model: WizardLM/WizardMath-13B-V1.0
+        layer_range: [1, 3]
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [2, 4]
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [2, 4]
+    parameters:
+      weight: 0.4
+      lambda: 0.8
+merge_method: task_arithmetic
+base_model: TheBloke/Llama-2-13B-fp16
+parameters:
+  weight: 0.5
+dtype: float32
+"""
+
 # --------------------------------------------------------------------------- running mergekit
 
 

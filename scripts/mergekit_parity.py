@@ -112,7 +112,8 @@ def _oracle_python() -> Path:
 
 # Each case: name, mergekit method, parameters (exactly as passed), K, shape, and options:
 #   base_input: "base" (base given to mergekit as its base, the default), "none" (only the
-#   experts are inputs), "weighted" (linear: the base is an ordinary first input with a weight)
+#   experts are inputs), "weighted" (linear: the base is an ordinary first input with a weight),
+#   "alone" (the base is the only input: passthrough)
 #   zero_expert: index of an expert exactly equal to the base
 #   zero_tensor: index of an expert that is all zeros
 #   zero_rows: False to keep every delta nonzero
@@ -687,6 +688,17 @@ CASES: list[dict] = [
     # arcee_fusion: importance |delta| x KL of the rows' softmaxes; keep above median + 1.5 IQR
     _case("arcee_fusion_2d", "arcee_fusion", {}, 1, (16, 24), "quartiles of 384 importances, sorted whole"),
     _case("arcee_fusion_3d", "arcee_fusion", {}, 1, (3, 4, 5), "softmax over the last dim of a 3-D tensor"),
+    # passthrough: its one input as it is, or times its scale (mergepipe: the base, alone)
+    _case("passthrough_plain", "passthrough", {}, 0, (7,), "the one input, untouched", base_input="alone"),
+    _case(
+        "passthrough_scale",
+        "passthrough",
+        {"scale": 0.37},
+        0,
+        (16, 24),
+        "the one input times scale",
+        base_input="alone",
+    ),
     _case("arcee_fusion_1d", "arcee_fusion", {}, 1, (7,), "1-D: one row, one KL for the whole tensor"),
 ]
 
@@ -892,6 +904,8 @@ def generate_case(case: dict) -> tuple[dict, dict]:
         inputs, base_index = [f"x{i}" for i in range(len(experts))], None
     elif mode == "weighted":
         inputs, base_index = ["base", *[f"x{i}" for i in range(len(experts))]], None
+    elif mode == "alone":
+        inputs, base_index = ["base"], None
     else:
         raise ValueError(mode)
     tensors = [named[n] for n in inputs]

@@ -349,8 +349,10 @@ def missing_expert_folder(fam, cfg):
 
 
 def mergekit_slices(fam, cfg):
-    _edit_config(cfg, slices=[{"sources": [{"model": str(fam.base), "layer_range": [0, 1]}]}])
-    return "slices: not supported by mergepipe"
+    """A slice past the model's last layer, found once the headers are read."""
+    sources = [{"model": str(m), "layer_range": [0, 99]} for m in (fam.base, fam.experts[0])]
+    _edit_config(cfg, models=[], slices=[{"sources": sources}])
+    return f"{fam.base}: layer_range [0, 99) but the model has"
 
 
 def tokenizer_union(fam, cfg):

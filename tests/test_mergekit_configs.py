@@ -157,7 +157,6 @@ def test_base_among_models(tmp_path):
 @pytest.mark.parametrize(
     "key,value,match",
     [
-        ("slices", [{"sources": []}], "slices: not supported"),
         ("modules", {"text": {}}, "modules: not supported"),
         ("tokenizer", {"source": "union"}, "tokenizer: not supported"),
         ("chat_template", "chatml", "chat_template: not supported"),

@@ -33,6 +33,9 @@ def _params(case: dict, op) -> MergeParams:
     base_weight = None
     if case["method"] == "linear" and "base" in case["inputs"]:  # the base as a weighted input
         base_weight = weights.pop(case["inputs"].index("base"))
+    if case["method"] == "passthrough":  # the base is the one input, with its own scale
+        scale = p["scale"][0]
+        return op.params(0, None if scale is None else {"scale": scale})
     values = {
         "weight": tuple(weights),
         "density": tuple(p.get("density", [1.0] * k)),

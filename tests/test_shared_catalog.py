@@ -15,6 +15,7 @@ import pytest
 
 from mergepipe.catalog import db
 from mergepipe.config.environment import CatalogLocation, catalog_location, parse_catalog
+from mergepipe.config.views import input_views
 from mergepipe.devtools.synthetic import make_family, write_config
 from mergepipe.errors import BadInput
 from mergepipe.flows.index_family import index_family
@@ -263,7 +264,7 @@ def _claim_as(catalog: str, cfg: Path, expert: int, owner: str, age_seconds: flo
     from mergepipe.tasks.index import read_family_headers
 
     request = build_request(str(cfg), catalog=catalog)
-    family, _ = read_family_headers.fn(request.spec.base_model, request.spec.expert_uris)
+    family, _ = read_family_headers.fn(input_views(request.spec))
     with db.connect(catalog) as con:
         fp = family.expert_fps()[expert]
         mine, _ = claims.claim(con, family.base_fp, request.spec.block_size_bytes, [fp], owner, 3600)
@@ -291,7 +292,7 @@ def test_an_expert_another_client_indexes_is_waited_for_not_read(pg_catalog, tmp
     waiting.start()
     # This client indexes expert 1 and then waits for expert 0, whose claim is alive.
     request = build_request(str(cfg), catalog=catalog)
-    family, _ = index_tasks.read_family_headers.fn(request.spec.base_model, request.spec.expert_uris)
+    family, _ = index_tasks.read_family_headers.fn(input_views(request.spec))
     fps, bs = family.expert_fps(), request.spec.block_size_bytes
     for _ in range(600):
         with db.connect(catalog, read_only=True) as con:

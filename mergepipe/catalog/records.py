@@ -13,11 +13,23 @@ from mergepipe.catalog.db import as_location, connect, reference_schema, sql_tex
 from mergepipe.config.environment import CatalogLocation
 from mergepipe.errors import BadInput
 
+PLAN_EXPERTS_SCHEMA = pa.schema(
+    [
+        ("plan_digest", pa.string()),
+        ("expert", pa.int32()),
+        ("expert_fp", pa.string()),
+        ("coefficient", pa.float64()),
+        ("planned_bytes", pa.int64()),
+    ]
+)
+
 
 def save_plan(con: duckdb.DuckDBPyConnection, plan_row: dict, experts: list[dict], access: pa.Table) -> None:
     """Store a plan once (a plan digest identifies its content)."""
     tables = dict(
-        new_plan=pa.Table.from_pylist([plan_row]), new_plan_experts=pa.Table.from_pylist(experts), new_access=access
+        new_plan=pa.Table.from_pylist([plan_row]),
+        new_plan_experts=pa.Table.from_pylist(experts, schema=PLAN_EXPERTS_SCHEMA),  # none for passthrough
+        new_access=access,
     )
     write(con, lambda: _insert_plan(con, plan_row["plan_digest"]), **tables)
 

@@ -119,9 +119,7 @@ def build_request(
     check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
     destination = None
     if out is not None:
-        destination = check_destination(
-            with_run_names(str(out), run_time, run_name), overwrite, [spec.base_model, *spec.expert_uris]
-        )
+        destination = check_destination(with_run_names(str(out), run_time, run_name), overwrite, spec.model_uris)
     given = memory_bytes is not None or spec.memory_bytes is not None
     if memory_bytes is None:
         memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()

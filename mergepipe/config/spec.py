@@ -12,7 +12,7 @@ from __future__ import annotations
 import difflib
 import keyword
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import (
@@ -109,9 +109,65 @@ class ModelEntry(_Strict):
     parameters: ModelParameters = ModelParameters()
 
 
+class SliceSource(_Strict):
+    """One model's layers [start, end) in an output slice (mergekit's InputSliceDefinition)."""
+
+    model: str
+    layer_range: tuple[int, int]
+    parameters: ModelParameters = ModelParameters()
+
+    @field_validator("layer_range")
+    @classmethod
+    def _range(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if not 0 <= v[0] < v[1]:
+            raise ValueError(f"layer_range must be [start, end) with 0 <= start < end, got {list(v)}")
+        return v
+
+    @property
+    def length(self) -> int:
+        return self.layer_range[1] - self.layer_range[0]
+
+
+class SliceRoles(NamedTuple):
+    """Which of a slice's sources is the base (its position), and which are the experts."""
+
+    base: int
+    experts: tuple[int, ...]
+
+
+class OutputSlice(_Strict):
+    """Output layers merged from the same number of layers of each source (mergekit's
+    OutputSliceDefinition): its parameters come between a source's own and the global ones."""
+
+    sources: list[SliceSource] = Field(min_length=1)
+    base_model: str | None = None
+    parameters: GlobalParameters = GlobalParameters()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_residual(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "residual_weight" in data:
+            raise ValueError("residual_weight: not supported by mergepipe (mergekit 0.1.5's merge methods ignore it)")
+        return data
+
+    @model_validator(mode="after")
+    def _same_length(self) -> "OutputSlice":
+        lengths = {s.length for s in self.sources}
+        if len(lengths) > 1:
+            raise ValueError(f"every source of a slice takes the same number of layers, got {sorted(lengths)}")
+        models = [s.model for s in self.sources]
+        twice = next((m for m in models if models.count(m) > 1), None)
+        if twice is not None:  # mergekit keys a slice's tensors by model: one would silently vanish
+            raise ValueError(f"model {twice!r} is a source of this slice twice")
+        return self
+
+    @property
+    def length(self) -> int:
+        return self.sources[0].length
+
+
 _UNSUPPORTED_KEYS = {
-    "slices": "it merges whole models with the same layers; use the `models:` form",
-    "modules": "it merges whole models; use the `models:` form",
+    "modules": "it merges whole models; use the `models:` or `slices:` form",
     "tokenizer": "the output takes the base's tokenizer, as with `tokenizer_source: base`",
     "chat_template": "the output takes the base's tokenizer files as they are",
 }
@@ -122,7 +178,10 @@ class MergeSpec(_Strict):
     # mergekit's linear takes no base; a config without one, for a method that needs none, uses
     # its first model as the reference that deltas are taken against (the _default_base validator).
     base_model: str
-    models: list[ModelEntry] = Field(min_length=1)
+    models: list[ModelEntry] = Field(default_factory=list)
+    # mergekit's other form: the output's layers as a sequence of slices of the models' layers
+    # (config/views.py turns them into what each input of the merge reads).
+    slices: list[OutputSlice] | None = Field(default=None, min_length=1)
     parameters: GlobalParameters = GlobalParameters()
     dtype: DTypeName | None = None
     out_dtype: DTypeName | None = None
@@ -177,6 +236,9 @@ class MergeSpec(_Strict):
     def _default_base(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("base_model") is None and data.get("merge_method") in OPERATORS:
             models = data.get("models")
+            slices = data.get("slices")
+            if not models and isinstance(slices, list) and slices and isinstance(slices[0], dict):
+                models = slices[0].get("sources")  # mergekit takes the first source as the reference
             first = models[0] if isinstance(models, list) and models else None
             if not OPERATORS[data["merge_method"]].needs_base and isinstance(first, dict) and "model" in first:
                 data = {**data, "base_model": first["model"]}
@@ -198,6 +260,8 @@ class MergeSpec(_Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "MergeSpec":
+        if bool(self.models) == bool(self.slices):
+            raise ValueError("give either models or slices (one of them, not both)")
         if self.budget is not None and self.max_error is not None:
             raise ValueError("give either budget or max_error, not both")
         self._budget = parse_budget(self.budget)
@@ -256,7 +320,50 @@ class MergeSpec(_Strict):
 
     @property
     def expert_uris(self) -> list[str]:
+        """Each expert's location (the `models:` form; config.views names a slices form's)."""
         return [m.model for _, m in self.expert_entries]
+
+    @property
+    def model_uris(self) -> list[str]:
+        """Every model location the config names, each once, in order of appearance."""
+        named = [self.base_model, *(m.model for m in self.models)]
+        named += [s.model for sl in self.slices or () for s in sl.sources] + [
+            sl.base_model for sl in self.slices or () if sl.base_model
+        ]
+        return list(dict.fromkeys(named))
+
+    def slice_roles(self) -> list["SliceRoles"]:
+        """Per slice, which source is the base and which are the experts, in order: the k-th
+        expert of the merge is each slice's k-th source besides its base. The base of a slice is
+        its base_model, else the config's; a method that needs no base takes the slice's first
+        source where the config's base is not among them. passthrough copies one source per
+        slice, which is then its base."""
+        op = get_operator(self.merge_method)
+        roles: list[SliceRoles] = []
+        for i, sl in enumerate(self.slices or ()):
+            models = [s.model for s in sl.sources]
+            if op.max_experts == 0:
+                if len(models) != 1:
+                    raise BadInput(
+                        f"slices[{i}].sources: merge_method {self.merge_method!r} copies one source per slice, got {len(models)}"
+                    )
+                roles.append(SliceRoles(0, ()))
+                continue
+            base = sl.base_model or self.base_model
+            if base not in models:
+                if op.needs_base:
+                    raise BadInput(
+                        f"slices[{i}]: its base model {base} is not among its sources (mergekit merges a slice's sources only)"
+                    )
+                base = models[0]
+            at = models.index(base)
+            roles.append(SliceRoles(at, tuple(j for j in range(len(models)) if j != at)))
+            if len(roles[-1].experts) != len(roles[0].experts):
+                raise BadInput(
+                    f"slices[{i}]: {len(roles[-1].experts)} source(s) besides its base, slices[0] has "
+                    f"{len(roles[0].experts)} (the k-th of each slice are the same input of the merge)"
+                )
+        return roles
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
@@ -266,9 +373,30 @@ class MergeSpec(_Strict):
         exclude = {"storage_options", "allow_nonfinite", "allow_empty", "memory", "tokenizer_source"} | (
             {"rank_by"} if self.rank_by == "delta" else set()
         )
+        exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"
         data["parameters"] = _digest_form(self.parameters, _DIGEST_GLOBAL_KEYS)
+        if self.slices:  # models named by their place among those the config names
+            label = {u: "base" if u == self.base_model else f"model-{i}" for i, u in enumerate(self.model_uris)}
+            data["slices"] = [
+                {
+                    "sources": [
+                        {
+                            "model": label[s.model],
+                            "layer_range": list(s.layer_range),
+                            "parameters": _digest_form(s.parameters, frozenset()),
+                        }
+                        for s in sl.sources
+                    ],
+                    "base_model": label.get(sl.base_model),
+                    "parameters": _digest_form(sl.parameters, frozenset()),
+                }
+                for sl in self.slices
+            ]
+            data["block_size"] = self.block_size_bytes
+            data["out_shard_size"] = self.out_shard_size_bytes
+            return data
         experts = iter(range(len(self.models)))
         data["models"] = [
             {
@@ -283,7 +411,7 @@ class MergeSpec(_Strict):
 
     def recorded(self) -> dict:
         """The spec as plans and manifests record it: model locations, no storage options."""
-        return self.model_dump(by_alias=True, exclude={"storage_options"})
+        return self.model_dump(by_alias=True, exclude={"storage_options", "models" if self.slices else "slices"})
 
 
 def _keys_at(loc: tuple) -> list[str]:
@@ -367,9 +495,11 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         data = {**data, **overrides}
     spec = validate_spec(data, source=path)
     base_dir = split(path)[0] if is_remote(path) else str(Path(path).resolve().parent)
-    for key, ref in [("base_model", spec.base_model)] + [
-        (f"models[{i}].model", m.model) for i, m in enumerate(spec.models)
-    ]:
+    named = [("base_model", spec.base_model)] + [(f"models[{i}].model", m.model) for i, m in enumerate(spec.models)]
+    for i, sl in enumerate(spec.slices or ()):
+        named += [(f"slices[{i}].sources[{j}].model", s.model) for j, s in enumerate(sl.sources)]
+        named += [(f"slices[{i}].base_model", sl.base_model)] if sl.base_model else []
+    for key, ref in named:
         where = _resolve_location(ref, base_dir)
         if where.endswith(".safetensors") and stat(join(split(where)[0], INDEX_FILE)) is not None:
             raise BadInput(f"{path}: {key}: {ref!r} is one shard of a sharded model; {MODEL_LOCATION}")
@@ -378,10 +508,24 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
                 f"{path}: {key}: {ref!r} is a LoRA reference (model+adapter), which mergepipe does not merge; "
                 "merge the adapter into its model first"
             )
+
+    def at(ref: str) -> str:
+        return _resolve_location(ref, base_dir)
+
+    slices = [
+        sl.model_copy(
+            update={
+                "sources": [s.model_copy(update={"model": at(s.model)}) for s in sl.sources],
+                "base_model": sl.base_model and at(sl.base_model),
+            }
+        )
+        for sl in spec.slices or ()
+    ]
     return spec.model_copy(
         update={
-            "base_model": _resolve_location(spec.base_model, base_dir),
-            "models": [m.model_copy(update={"model": _resolve_location(m.model, base_dir)}) for m in spec.models],
+            "base_model": at(spec.base_model),
+            "models": [m.model_copy(update={"model": at(m.model)}) for m in spec.models],
+            "slices": slices or None,
         }
     )
 
@@ -397,20 +541,37 @@ def storage_options_of(path: str | Path) -> dict[str, Any]:
 def check_parameters(spec: MergeSpec) -> None:
     """What can be checked before the tensor names are known: the model count, and that every
     parameter given is one the operator declares (mergekit ignores the others), per model where
-    it is set per model."""
+    it is set per model (a model's entry, or a source of a slice)."""
     op = get_operator(spec.merge_method)
-    k = len(spec.expert_entries)
+    if spec.slices:
+        k, counted = len(spec.slice_roles()[0].experts), "slices[0].sources"
+        shared = [("parameters", spec.parameters)]
+        shared += [(f"slices[{i}].parameters", sl.parameters) for i, sl in enumerate(spec.slices)]
+        own = [
+            (f"slices[{i}].sources[{j}]", s.parameters)
+            for i, sl in enumerate(spec.slices)
+            for j, s in enumerate(sl.sources)
+        ]
+    else:
+        k, counted = len(spec.expert_entries), "models"
+        shared = [("parameters", spec.parameters)]
+        own = [(f"models[{i}]", entry.parameters) for i, entry in enumerate(spec.models)]
     if k < op.min_experts or (op.max_experts is not None and k > op.max_experts):
         wanted = str(op.min_experts) if op.max_experts == op.min_experts else f"at least {op.min_experts}"
-        raise BadInput(f"models: merge_method {spec.merge_method!r} takes {wanted} model(s) besides the base, got {k}")
+        raise BadInput(
+            f"{counted}: merge_method {spec.merge_method!r} takes {wanted} model(s) besides the base, got {k}"
+        )
     per_model = {p.name for p in op.parameters if p.per_model}
-    for name, value in parameter_values(spec.parameters).items():
-        if value is not None and op.declared(name) is None:
-            raise BadInput(f"parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
-    for i, entry in enumerate(spec.models):
-        for name, value in parameter_values(entry.parameters).items():
+    for where, params in shared:
+        for name, value in parameter_values(params).items():
+            if value is not None and op.declared(name) is None:
+                raise BadInput(f"{where}.{name}: not a parameter of merge_method {spec.merge_method!r}")
+    for where, params in own:
+        for name, value in parameter_values(params).items():
             if value is not None and name not in per_model:
-                raise BadInput(f"models[{i}].parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
+                raise BadInput(f"{where}.parameters.{name}: not a parameter of merge_method {spec.merge_method!r}")
     for p in op.parameters:
+        # a slice's value serves its own layers: the global one is needed unless every slice has one
         if p.required and not p.per_model and parameter_values(spec.parameters)[p.name] is None:
-            raise BadInput(f"parameters.{p.name}: required by merge_method {spec.merge_method!r}")
+            if not spec.slices or any(parameter_values(sl.parameters)[p.name] is None for sl in spec.slices):
+                raise BadInput(f"parameters.{p.name}: required by merge_method {spec.merge_method!r}")

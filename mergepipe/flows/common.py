@@ -15,6 +15,7 @@ from mergepipe import torch
 from mergepipe.config.environment import CatalogLocation, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
+from mergepipe.config.views import input_views
 from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.execute.group import GroupResult, finished_group
 from mergepipe.execute.memory import MemoryPlan, output_buffer, plan_memory
@@ -88,7 +89,7 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
     until the merge has recorded their statistics."""
     t0 = time.perf_counter()
     ledger = ByteLedger()
-    family, rows = run_task(read_family_headers, spec.base_model, spec.expert_uris)
+    family, rows = run_task(read_family_headers, input_views(spec))
     freeze_long_lived()
     ledger.merge(rows)
     # Parameters that depend on tensor names (filters, gradients) are checked now, before any

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mergepipe.config.request import build_request
 from mergepipe.config.spec import expert_label
+from mergepipe.config.views import input_views
 from mergepipe.flows.common import run_index
 from mergepipe.flows.orchestration import declare_flow
 
@@ -21,12 +22,13 @@ def index_family(config: str, catalog: str | None = None) -> dict:
     request = build_request(config, catalog=catalog)
     spec = request.spec
     outcome = run_index(spec, request.catalog)
+    experts = input_views(spec).expert_names
     return {
         "base": spec.base_model,
-        "experts": spec.expert_uris,
+        "experts": experts,
         "block_size": spec.block_size_bytes,
-        "indexed_now": [spec.expert_uris[i] for i in outcome.indexed],
-        "already_indexed": [u for i, u in enumerate(spec.expert_uris) if i not in outcome.indexed],
+        "indexed_now": [experts[i] for i in outcome.indexed],
+        "already_indexed": [u for i, u in enumerate(experts) if i not in outcome.indexed],
         "bytes": outcome.ledger.by_role(),
         "content_sha256": {
             "base": outcome.content[outcome.family.base_fp],

@@ -9,6 +9,7 @@ from typing import Literal
 from mergepipe.config.environment import worker_count
 from mergepipe.config.request import MergeRequest, build_request
 from mergepipe.config.spec import MergeSpec
+from mergepipe.config.views import input_views
 from mergepipe.errors import BadInput
 from mergepipe.execute.memory import output_buffer, plan_memory
 from mergepipe.flows.artifacts import plan_artifact
@@ -75,13 +76,14 @@ def plan(
 
 def plan_result(p, spec: MergeSpec, explain: list[dict], saved_plan: saved.PlanRef) -> dict:
     names = {row["expert"]: row["name"] for row in explain}
+    experts = input_views(spec).expert_names
     return {
         "plan_digest": p.plan_digest,
         "plan_key": saved_plan.key,
         "merge_method": spec.merge_method,
-        "experts": spec.expert_uris,
+        "experts": experts,
         # display names (catalog models.name), by position
-        "expert_names": [names.get(i, uri) for i, uri in enumerate(spec.expert_uris)],
+        "expert_names": [names.get(i, uri) for i, uri in enumerate(experts)],
         "budget": p.budget,
         "budget_bytes": p.budget_bytes,
         "full_expert_bytes": p.full_expert_bytes,

@@ -62,7 +62,9 @@ def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, 
     spec, content = request.spec, recorded["content"]
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
-    for want, fp, uri in zip(content["plan"]["inputs"], fps, [spec.base_model, *spec.expert_uris]):
+    for want, fp, uri in zip(
+        content["plan"]["inputs"], fps, [m.uri for m in [outcome.family.base, *outcome.family.experts]]
+    ):
         have = outcome.content[fp]
         if have != want["content_sha256"]:
             raise BadInput(

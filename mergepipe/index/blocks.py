@@ -40,6 +40,18 @@ def layer_index(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def with_layer(name: str, i: int) -> str:
+    """The tensor's name in layer i (a slice's source layer renamed to the output's)."""
+    m = _LAYER.search(name)
+    return name[: m.start(1)] + str(i) + name[m.end(1) :]
+
+
+def before_layers(name: str) -> bool:
+    """Whether a tensor outside the layers comes before them (embeddings) rather than after
+    (final norm, head, the rest), as mergekit's pre- and post-weights."""
+    return layer_group(name) == "embeddings"
+
+
 def layer_count(names) -> int:
     """How many layers a model has: one more than the highest layer index among its tensors."""
     return max((i for i in map(layer_index, names) if i is not None), default=-1) + 1

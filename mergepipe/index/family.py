@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from mergepipe.config.spec import MODEL_LOCATION, expert_label
+from mergepipe.config.views import InputViews, ModelView
 from mergepipe.errors import BadInput
+from mergepipe.index.blocks import before_layers, layer_count, layer_index, with_layer
 from mergepipe.storage.canonical import digest_of
-from mergepipe.storage.model_files import Layouts, ModelFiles, read_model
+from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, read_model
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES
 
@@ -76,8 +78,69 @@ def validate_family(base: ModelFiles, experts: list[ModelFiles]) -> None:
 
 def load_family(base_uri: str, expert_uris: list[str], reader: RangeReader) -> Family:
     """Read every header (never tensor data) and check the family before anything else runs."""
+    return load_views(InputViews(ModelView(base_uri), tuple(map(ModelView, expert_uris))), reader)
+
+
+def load_views(views: InputViews, reader: RangeReader) -> Family:
+    """The family of a merge's inputs: each model's headers read once (never tensor data), each
+    view built from them, and the whole checked before anything else runs."""
     layouts: Layouts = {}  # headers the family's models share are parsed once, into one Layout
-    base = read_model(base_uri, reader, "base", layouts)
-    experts = [read_model(u, reader, expert_label(i), layouts) for i, u in enumerate(expert_uris)]
+    models: dict[str, ModelFiles] = {}
+    labels = ["base"] + [expert_label(i) for i in range(len(views.experts))]
+    for view, label in zip(views.all, labels):
+        for uri in view.models:
+            if uri not in models:
+                models[uri] = read_model(uri, reader, label, layouts)
+    built: dict[tuple, Layout] = {}
+    base, *experts = (view_of(v, models, built) for v in views.all)
     validate_family(base, experts)
     return Family(base, experts)
+
+
+def view_of(view: ModelView, models: dict[str, ModelFiles], built: dict[tuple, Layout]) -> ModelFiles:
+    """A view's ModelFiles: the output's tensor names, each at its source tensor's place. A
+    place in a model other than the home is named by its file's full location. Views that name
+    the same places share one Layout (`built`, kept by the caller); a view that renames nothing
+    is its home model itself, with the same fingerprint and statistics."""
+    home = models[view.home]
+    if view.pieces is None:
+        return home
+    tensors, files, headers = {}, {}, {}
+
+    def take(model: ModelFiles, name: str, as_name: str) -> None:
+        t = model.tensors[name]
+        file = t.file if model is home else model.path(t.file)
+        files[file], headers[file] = model.fingerprints[t.file], model.header_bytes[t.file]
+        tensors[as_name] = t if file == t.file else t._replace(file=file)
+
+    pre, post = models[view.pre], models[view.post]
+    for name in pre.tensors:
+        if layer_index(name) is None and before_layers(name):
+            take(pre, name, name)
+    out = 0
+    for piece in view.pieces:
+        model = models[piece.model]
+        have = layer_count(model.tensors)
+        if piece.end > have:
+            raise BadInput(f"{model.uri}: layer_range [{piece.start}, {piece.end}) but the model has {have} layers")
+        for j in range(piece.start, piece.end):
+            for name in model.tensors:
+                if layer_index(name) == j:
+                    take(model, name, with_layer(name, out))
+            out += 1
+    for name in post.tensors:
+        if layer_index(name) is None and not before_layers(name):
+            take(post, name, name)
+    key = tuple(sorted((n, tuple(t)) for n, t in tensors.items()))
+    layout = built.setdefault(key, Layout.of(tensors))
+    if layout.tensors == home.tensors:
+        return home
+    return ModelFiles(
+        uri=view.describe(),
+        root=home.root,
+        shards=sorted(files),
+        sidecars=list(home.sidecars),
+        fingerprints=files,
+        layout=layout,
+        header_bytes=headers,
+    )

@@ -24,6 +24,7 @@ from mergepipe.operators.model_stock import ModelStock
 from mergepipe.operators.multislerp import MultiSlerp
 from mergepipe.operators.nearswap import NearSwap
 from mergepipe.operators.nuslerp import NuSlerp
+from mergepipe.operators.passthrough import Passthrough
 from mergepipe.operators.ram import Ram, RamPlusTL
 from mergepipe.operators.sce import Sce
 from mergepipe.operators.slerp import Slerp
@@ -43,6 +44,7 @@ OPERATORS: dict[str, Operator] = {
         MultiSlerp(),
         Sce(),
         ArceeFusion(),
+        Passthrough(),
     )
 }
 

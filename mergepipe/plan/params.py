@@ -4,12 +4,13 @@ operator's declared defaults, as a ParamTable (each distinct set once)."""
 from __future__ import annotations
 
 import threading
+from bisect import bisect_right
 from typing import Any, NamedTuple
 
 from mergepipe.config.settings import evaluate, filters_of
 from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
 from mergepipe.errors import BadInput
-from mergepipe.index.blocks import layer_count, layer_position
+from mergepipe.index.blocks import before_layers, layer_count, layer_index, layer_position
 from mergepipe.operators import MergeParams, ParamTable, get_operator
 from mergepipe.operators.base import BASE_AT
 
@@ -25,52 +26,83 @@ def resolve_params(spec: MergeSpec, tensor: str = "", t: float = 0.0) -> MergePa
 
 
 class _Settings(NamedTuple):
-    """The spec's parameter blocks as plain mappings, read once for all of a model's tensors."""
+    """The parameter blocks that apply to a tensor, as plain mappings, read once for all of a
+    model's tensors (or of a slice's). Each value is looked up in a model's own block, then in
+    `shared` in turn (a slice's parameters, then the global ones)."""
 
-    shared: dict[str, Any]
-    experts: list[dict[str, Any]]  # in the order of spec.expert_entries
-    base: dict[str, Any] | None  # the base's own entry among `models:`, if listed
+    shared: tuple[dict[str, Any], ...]
+    experts: list[dict[str, Any]]  # in the order of the merge's experts
+    base: dict[str, Any] | None  # the base's own entry among the inputs, if listed
+    expert_where: list[str]  # where each expert's block is, for messages: models[2], slices[1].sources[0]
+    expert_models: list[str]
+    base_where: str | None
+    base_at: int  # the base's place among the inputs in mergekit's order: its entry, else last
 
     @classmethod
     def of(cls, spec: MergeSpec) -> "_Settings":
         base = spec.base_entry
+        experts = spec.expert_entries
         return cls(
-            parameter_values(spec.parameters),
-            [parameter_values(entry.parameters) for _, entry in spec.expert_entries],
+            (parameter_values(spec.parameters),),
+            [parameter_values(entry.parameters) for _, entry in experts],
             parameter_values(base.parameters) if base is not None else None,
+            [f"models[{i}]" for i, _ in experts],
+            [entry.model for _, entry in experts],
+            None if base is None else f"models[{spec.models.index(base)}]",
+            len(experts) if base is None else spec.models.index(base),
         )
+
+    @classmethod
+    def of_slices(cls, spec: MergeSpec) -> list["_Settings"]:
+        """One per slice: its sources' blocks, its own parameters before the global ones."""
+        out = []
+        for i, (sl, roles) in enumerate(zip(spec.slices, spec.slice_roles())):
+            out.append(
+                cls(
+                    (parameter_values(sl.parameters), parameter_values(spec.parameters)),
+                    [parameter_values(sl.sources[j].parameters) for j in roles.experts],
+                    parameter_values(sl.sources[roles.base].parameters),
+                    [f"slices[{i}].sources[{j}]" for j in roles.experts],
+                    [sl.sources[j].model for j in roles.experts],
+                    f"slices[{i}].sources[{roles.base}]",
+                    roles.base,
+                )
+            )
+        return out
 
     def filters(self) -> tuple[str, ...]:
         """Every substring a condition of any level tests tensor names for."""
-        levels = [self.shared, *self.experts] + ([self.base] if self.base is not None else [])
+        levels = [*self.shared, *self.experts] + ([self.base] if self.base is not None else [])
         return tuple(sorted({f for level in levels for s in level.values() for f in filters_of(s)}))
 
 
 def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> MergeParams:
     """The parameters of one tensor at layer position t, with the operator's defaults.
 
-    Precedence as in mergekit: a model's own setting, then the global `parameters`; a setting
-    whose filters do not match the tensor falls through to the next level. Where the operator
-    weighs the base as an input (linear), the base's entry among `models:` gets its own values;
-    a config that does not list the base weighs it with a global value if there is one (as
-    mergekit adds it as an input), and leaves it out otherwise."""
+    Precedence as in mergekit: a model's own setting, then a slice's, then the global
+    `parameters`; a setting whose filters do not match the tensor falls through to the next
+    level. Where the operator weighs the base as an input (linear), the base's entry among the
+    inputs gets its own values; a config that does not list the base weighs it with a global
+    value if there is one (as mergekit adds it as an input), and leaves it out otherwise."""
     op = get_operator(spec.merge_method)
 
     def value(name: str, own: dict[str, Any] | None) -> Any:
-        v = evaluate(own[name], tensor, t) if own is not None else None
-        return evaluate(settings.shared[name], tensor, t) if v is None else v
+        for level in ((own,) if own is not None else ()) + settings.shared:
+            v = evaluate(level[name], tensor, t)
+            if v is not None:
+                return v
+        return None
 
     resolved: dict[str, Any] = {}
-    experts = spec.expert_entries
     for p in op.parameters:
         if p.per_model:
             values = []
-            for (i, entry), own in zip(experts, settings.experts):
+            for where, model, own in zip(settings.expert_where, settings.expert_models, settings.experts):
                 v = value(p.name, own)
                 if v is None and p.required:
                     raise BadInput(
-                        f"models[{i}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
-                        f"{_where(tensor)} (model {entry.model}); no value, no matching filter and no global {p.name}"
+                        f"{where}.parameters.{p.name}: required by merge_method {spec.merge_method!r}"
+                        f"{_where(tensor)} (model {model}); no value, no matching filter and no global {p.name}"
                     )
                 values.append(
                     float(p.default if v is None else v) if p.kind == "float" else bool(p.default if v is None else v)
@@ -84,14 +116,14 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
                 )
             resolved[p.name] = p.default if v is None else (float(v) if p.kind == "float" else v)
     base_values = None
+    n_experts = len(settings.experts)
     if op.base_weighted:
-        entry = spec.base_entry
         base_values = {p.name: value(p.name, settings.base) for p in op.parameters if p.per_model}
         for p in op.parameters:
-            if p.per_model and p.required and entry is not None and base_values[p.name] is None:
+            if p.per_model and p.required and settings.base is not None and base_values[p.name] is None:
                 raise BadInput(
-                    f"models[{spec.models.index(entry)}].parameters.{p.name}: required by merge_method {spec.merge_method!r}"
-                    f"{_where(tensor)} (the base, model {entry.model})"
+                    f"{settings.base_where}.parameters.{p.name}: required by merge_method {spec.merge_method!r}"
+                    f"{_where(tensor)} (the base, model {spec.base_model})"
                 )
         if all(v is None for v in base_values.values()):
             base_values = None  # not listed and no global value: the base is not an input
@@ -100,16 +132,37 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
     if op.base_among_inputs and (base_values is not None or not op.base_weighted):
         # where mergekit puts the base among the inputs: at its own entry, else after the
         # models; first is the default, left out so that such plans keep their digests
-        entry = spec.base_entry
-        at = len(experts) if entry is None else spec.models.index(entry)
-        if at:
-            resolved[BASE_AT] = at
-    params = MergeParams.of(len(experts), resolved, base_values)
+        if settings.base_at:
+            resolved[BASE_AT] = settings.base_at
+    params = MergeParams.of(n_experts, resolved, base_values)
     problem = op.check(params)
     if problem is not None:
         name, position, why = problem
-        raise BadInput(f"models[{experts[position][0]}].parameters.{name}: {why}{_where(tensor)}")
+        raise BadInput(f"{settings.expert_where[position]}.parameters.{name}: {why}{_where(tensor)}")
     return params
+
+
+def _slice_positions(spec: MergeSpec, names: list[str]):
+    """name -> (slice, t) as mergekit places a tensor: in the slice whose output layers hold it,
+    at t = its layer within the slice / (the slice's layers - 1), 1 in a slice of one layer; the
+    tensors before the layers in the first slice and those after in the last, at t = 0. The
+    `models:` form is one slice of every layer."""
+    if not spec.slices:
+        n_layers = layer_count(names)
+        return lambda name: (0, layer_position(name, n_layers))
+    starts = [0]
+    for sl in spec.slices:
+        starts.append(starts[-1] + sl.length)
+
+    def where(name: str) -> tuple[int, float]:
+        i = layer_index(name)
+        if i is None:
+            return (0 if before_layers(name) else len(spec.slices) - 1), 0.0
+        s = bisect_right(starts, i) - 1
+        n = spec.slices[s].length
+        return s, (i - starts[s]) / (n - 1) if n > 1 else 1.0
+
+    return where
 
 
 # The last resolution, with the spec and the names it was made for: the stages of one merge
@@ -121,7 +174,8 @@ _last_lock = threading.Lock()
 def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
 
-    Gradients run over the layers: t = layer / (layers - 1), 0 outside the layers. Asked again
+    Gradients run over the layers (of each slice, for `slices:`): t = layer / (layers - 1), 0
+    outside the layers. Asked again
     for the same spec and names objects, it returns the same table."""
     global _last
     with _last_lock:
@@ -129,21 +183,22 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
             return _last[2]
     check_parameters(spec)
     names = sorted(tensor_names)
-    n_layers = layer_count(names)
-    settings = _Settings.of(spec)
-    # A tensor's parameters depend on its name through its layer position and the filters it
-    # matches: each distinct (position, matches) is resolved once, for the first tensor (in
-    # name order) that has it, so a refusal names the same tensor as resolving each would.
-    filters = settings.filters()
+    where = _slice_positions(spec, names)
+    all_settings = _Settings.of_slices(spec) if spec.slices else [_Settings.of(spec)]
+    # A tensor's parameters depend on its name through its slice, its layer position and the
+    # filters it matches: each distinct (slice, position, matches) is resolved once, for the
+    # first tensor (in name order) that has it, so a refusal names the same tensor as
+    # resolving each would.
+    filters = tuple(sorted({f for settings in all_settings for f in settings.filters()}))
     resolved: dict[tuple, MergeParams] = {}
     distinct: dict[MergeParams, MergeParams] = {}
     per_tensor = {}
     for name in names:
-        t = layer_position(name, n_layers)
-        key = (t, *(f in name for f in filters))
+        s, t = where(name)
+        key = (s, t, *(f in name for f in filters))
         params = resolved.get(key)
         if params is None:  # one object for equal sets: the table then compares them by identity
-            params = resolved[key] = distinct.setdefault(p := _resolve(spec, settings, name, t), p)
+            params = resolved[key] = distinct.setdefault(p := _resolve(spec, all_settings[s], name, t), p)
         per_tensor[name] = params
     table = ParamTable.build(per_tensor)
     with _last_lock:

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from mergepipe import __version__
 from mergepipe.errors import BadInput, DeterminedError
+from mergepipe.index.blocks import layer_count
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
 from mergepipe.storage.canonical import digest_of
@@ -45,13 +46,39 @@ def versions() -> dict:
     }
 
 
+CONFIG_FILE = "config.json"
+# Where a model's config.json says how many layers it has (mergekit's architectures name these).
+LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
+
+
+def with_layer_count(config: bytes, n_layers: int) -> bytes:
+    """A config.json that says the output's layer count (a `slices:` merge may have more or
+    fewer layers than its base): the base's, with its layer count key set; as it is when it
+    already says so, or is not a JSON object with such a key."""
+    try:
+        data = json.loads(config)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return config
+    key = next((k for k in LAYER_COUNT_KEYS if isinstance(data, dict) and isinstance(data.get(k), int)), None)
+    if key is None or data[key] == n_layers:
+        return config
+    data[key] = n_layers
+    return (json.dumps(data, indent=2) + "\n").encode()
+
+
 def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger) -> dict:
     """Index, sidecars and access set into staging; then hash everything. Returns the
     manifest's `output` section."""
     staging.put(INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
+    n_layers = layer_count(base.tensors)
     for name in base.sidecars:
-        staging.copy_in(join(base.root, name), name, ledger)
+        if name == CONFIG_FILE and plan.spec.get("slices"):
+            data = read_small_file(join(base.root, name))
+            ledger.add("sidecar", "base", name, len(data))
+            staging.put(name, with_layer_count(data, n_layers))
+        else:
+            staging.copy_in(join(base.root, name), name, ledger)
     sink = pa.BufferOutputStream()
     pq.write_table(plan.access, sink)
     staging.put(ACCESS_FILE, sink.getvalue().to_pybytes())

@@ -32,6 +32,11 @@ def protocol(uri: str) -> str:
 
 
 def join(root: str, *names: str) -> str:
+    """A name under root; a name that is a location of its own (a view's file in another model,
+    config/views.py) is that location."""
+    for i in range(len(names) - 1, -1, -1):
+        if is_remote(names[i]) or os.path.isabs(names[i]):
+            return join(names[i], *names[i + 1 :])
     if is_remote(root):
         return posixpath.join(root.rstrip("/"), *names)
     return os.path.join(root, *names)

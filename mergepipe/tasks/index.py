@@ -11,7 +11,8 @@ from contextlib import contextmanager
 
 from mergepipe.catalog import claims, db, ingest
 from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
-from mergepipe.index.family import Family, load_family
+from mergepipe.config.views import InputViews
+from mergepipe.index.family import Family, load_views
 from mergepipe.index.stats import StatsResult, compute_stats
 from mergepipe.index.tables import model_tables
 from mergepipe.storage.ledger import ByteLedger
@@ -24,10 +25,10 @@ log = logging.getLogger("mergepipe.index")
 
 
 @declare_task("read-family-headers", **STORAGE_RETRIES)
-def read_family_headers(base_uri: str, expert_uris: list[str]) -> tuple[Family, list[dict]]:
+def read_family_headers(views: InputViews) -> tuple[Family, list[dict]]:
     ledger = ByteLedger()
     with RangeReader(ledger) as reader:
-        family = load_family(base_uri, expert_uris, reader)
+        family = load_views(views, reader)
     return family, ledger.rows()
 
 
