@@ -533,3 +533,29 @@ def test_config_in_s3_with_models_beside_it(s3, families, catalog, local_referen
     assert result["digest"] == local_reference["25%"]["digest"]
     with pytest.raises(BadInput, match="no-such.yaml: config file not found"):
         merge(config=f"s3://{BUCKET}/fam/no-such.yaml", out=str(tmp_path / "out2"), catalog=catalog)
+
+
+def test_slices_from_s3_give_the_local_digest(s3, catalog, tmp_path):
+    """A view names the shards of models other than its home by their full s3:// locations:
+    a frankenmerge and a merge over slices read from S3 give the digests of the same configs on
+    local disk."""
+    from .test_slices import BASE, FRANKEN, ORCA, PAIRED, PLATYPUS, WIZARD, _config
+
+    text = {"franken": json.dumps(FRANKEN), "paired": json.dumps(PAIRED)}
+    local = {
+        name: merge(
+            config=str(_config(tmp_path, json.loads(t), f"{name}.yaml")), out=str(tmp_path / name), catalog=catalog
+        )
+        for name, t in text.items()
+    }
+    for model in (BASE, ORCA, PLATYPUS, WIZARD):
+        uri = upload_folder(s3, Path(model), f"e2e/{Path(model).name}")
+        text = {name: t.replace(json.dumps(model)[1:-1], uri) for name, t in text.items()}
+    for name, t in text.items():
+        assert not [m for m in (BASE, ORCA, PLATYPUS, WIZARD) if m in t]
+        r = merge(
+            config=str(_config(tmp_path, json.loads(t), f"{name}-s3.yaml")),
+            out=f"s3://{BUCKET}/slices/{name}",
+            catalog=catalog,
+        )
+        assert r["digest"] == local[name]["digest"], name

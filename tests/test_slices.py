@@ -294,3 +294,17 @@ def test_every_method_over_slices_equals_its_full_read_and_replays(method, tmp_p
         manifest=str(tmp_path / "part" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=session_catalog
     )
     assert again["digest"] == part["digest"]
+
+
+def test_passthrough_of_one_model_scales_it_and_keeps_its_files(tmp_path, session_catalog):
+    """The `models:` form: the one model is the base (no base_model needed), times its scale;
+    a second model is refused, as mergekit fails on two inputs."""
+    from mergepipe.flows.merge import merge
+
+    doc = {"merge_method": "passthrough", "models": [{"model": ORCA, "parameters": {"scale": 2.0}}]}
+    merge(config=str(_config(tmp_path, doc)), out=str(tmp_path / "out"), catalog=session_catalog)
+    orca = load_file(Path(ORCA) / "model.safetensors")
+    assert_bit_identical(tmp_path / "out", {n: t * 2.0 for n, t in orca.items()})
+    assert (tmp_path / "out" / "config.json").read_bytes() == (Path(ORCA) / "config.json").read_bytes()
+    with pytest.raises(BadInput, match="takes 0 model"):
+        check_parameters(load_spec(_config(tmp_path, {**doc, "base_model": BASE}, "two.yaml")))
