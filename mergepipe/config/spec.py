@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import keyword
+import re
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -30,6 +31,7 @@ from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
 from mergepipe.errors import BadInput
 from mergepipe.operators import OPERATORS, declared_parameters, get_operator
+from mergepipe.storage.hub import HUB as HUB_SCHEME
 from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.model_files import INDEX_FILE, SINGLE_FILE
 from mergepipe.storage.reader import read_small_file, stat
@@ -207,6 +209,9 @@ class MergeSpec(_Strict):
     # The merge process's memory budget (a size; default: config.environment.default_memory).
     # Tensors are merged in row slabs sized from it. It changes no byte of the output.
     memory: str | int | None = None
+    # Model ids as mergekit users write them (ORG/NAME, ORG/NAME@REVISION) name Hub models
+    # (hf://ORG/NAME) where no local folder of that name lies beside the config.
+    hub: bool = False
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -370,7 +375,7 @@ class MergeSpec(_Strict):
         no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory or
         tokenizer_source (they change no byte: the base's tokenizer files are copied either way). rank_by enters
         only when it is not the default, so digests from before it existed still hold."""
-        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "memory", "tokenizer_source"} | (
+        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "memory", "tokenizer_source", "hub"} | (
             {"rank_by"} if self.rank_by == "delta" else set()
         )
         exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
@@ -455,9 +460,14 @@ def validate_spec(data: Any, *, source: str) -> MergeSpec:
         raise BadInput(f"{source}: {err}") from None
 
 
-def _resolve_location(uri: str, base_dir: str) -> str:
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*(@\S+)?$")
+
+
+def _resolve_location(uri: str, base_dir: str, hub: bool = False) -> str:
     if "://" in uri:
         return uri
+    if hub and _HUB_ID.match(uri) and not is_remote(base_dir) and not (Path(base_dir) / uri.split("@")[0]).exists():
+        return HUB_SCHEME + uri
     if is_remote(base_dir):  # a config in an object store: relative models sit beside it
         return normalize(join(base_dir, uri))
     path = Path(uri).expanduser()
@@ -500,7 +510,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         named += [(f"slices[{i}].sources[{j}].model", s.model) for j, s in enumerate(sl.sources)]
         named += [(f"slices[{i}].base_model", sl.base_model)] if sl.base_model else []
     for key, ref in named:
-        where = _resolve_location(ref, base_dir)
+        where = _resolve_location(ref, base_dir, spec.hub)
         if where.endswith(".safetensors") and stat(join(split(where)[0], INDEX_FILE)) is not None:
             raise BadInput(f"{path}: {key}: {ref!r} is one shard of a sharded model; {MODEL_LOCATION}")
         if "+" in ref and not is_remote(where) and not Path(where).exists():
@@ -510,7 +520,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
             )
 
     def at(ref: str) -> str:
-        return _resolve_location(ref, base_dir)
+        return _resolve_location(ref, base_dir, spec.hub)
 
     slices = [
         sl.model_copy(

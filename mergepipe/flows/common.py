@@ -347,7 +347,11 @@ def execute_plan(ex: Execution) -> dict:
             "wall_seconds": time.perf_counter() - ex.t0,
             "flow_run_id": flow_run_id(),
             "versions": versions(),
-            "inputs": [{"role": i.role, "uri": i.uri, "files": i.files, "model_fp": i.model_fp} for i in plan.inputs],
+            # root: where the files were read (a Hub model's commit, which replay checks)
+            "inputs": [
+                {"role": i.role, "uri": i.uri, "root": i.root, "files": i.files, "model_fp": i.model_fp}
+                for i in plan.inputs
+            ],
             "spec": plan.spec,
             "bytes": ledger.by_role(),
             "ledger": ledger.rows(),

@@ -13,6 +13,7 @@ from mergepipe.flows.common import Execution, execute_plan, flow_run_id, now, ru
 from mergepipe.flows.orchestration import declare_flow
 from mergepipe.plan import saved
 from mergepipe.plan.record import build_plan
+from mergepipe.publish.checks import check_commits
 from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri
 from mergepipe.storage.location import set_storage_options
 from mergepipe.tasks.merge import holding_output
@@ -60,6 +61,7 @@ def replay(
 
 def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, t0: float) -> dict:
     spec, content = request.spec, recorded["content"]
+    check_commits(recorded["run"]["inputs"])  # before any byte is read
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
     for want, fp, uri in zip(

@@ -9,8 +9,22 @@ from collections import defaultdict
 # base and expert bytes the plan counts once. index: bytes a first merge that indexes on the
 # way reads only for the index (blocks found unchanged, the experts' non-float buffers).
 # upload: bytes published into an object-store output; compose: staged bytes read back there to
-# be sent again, where a multipart part would be under the store's minimum size.
-ROLES = ("header", "base", "expert", "reread", "index", "output", "checksum", "sidecar", "upload", "compose")
+# be sent again, where a multipart part would be under the store's minimum size. retry: ranges
+# asked for again after a transient failure of an object store or HTTP server (beside the
+# bytes their role counts once).
+ROLES = (
+    "header",
+    "base",
+    "expert",
+    "reread",
+    "index",
+    "output",
+    "checksum",
+    "sidecar",
+    "upload",
+    "compose",
+    "retry",
+)
 
 
 class ByteLedger:

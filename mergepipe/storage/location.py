@@ -21,6 +21,9 @@ _options: dict[str, Any] = {}
 # Uploads go in parts of exactly the writer's block size (storage.remote.open_writer), so what a
 # writer holds is bounded by it, whatever the size of each write.
 _DEFAULTS = {"s3": {"use_listings_cache": False, "fixed_upload_size": True}}
+HTTP = ("http", "https")
+# The storage option that holds a Hugging Face token (s3fs's own `token` is an AWS session token).
+HUB_TOKEN = "hf_token"
 
 
 def is_remote(uri: str) -> bool:
@@ -83,6 +86,12 @@ def set_storage_options(options: dict[str, Any] | None) -> None:
         _options = dict(options or {})
 
 
+def hub_token() -> str | None:
+    """The Hub token a config's storage_options give, if any."""
+    with _lock:
+        return _options.get(HUB_TOKEN)
+
+
 def storage_options_set() -> bool:
     with _lock:
         return bool(_options)
@@ -100,6 +109,11 @@ def filesystem(uri: str):
         raise BadInput(f"{uri}: no filesystem for {proto}://{hint}: {err}") from None
     with _lock:
         opts = {**_DEFAULTS.get(proto, {}), **_options}
+        token = opts.pop(HUB_TOKEN, None)
+    if proto in HTTP:  # exact ranges (no read-ahead blocks); the Hub's token in a header, never in a URL
+        from mergepipe.storage.hub import headers_for
+
+        opts = {"block_size": 0, "headers": headers_for(uri, token)}
     try:
         return cls(**opts)
     except TypeError as err:
@@ -108,5 +122,5 @@ def filesystem(uri: str):
 
 
 def fs_path(uri: str) -> str:
-    """The path as the filesystem names it (no protocol)."""
-    return uri.split("://", 1)[1]
+    """The path as the filesystem names it (no protocol; a URL stays whole)."""
+    return uri if protocol(uri) in HTTP else uri.split("://", 1)[1]

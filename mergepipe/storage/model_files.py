@@ -7,7 +7,9 @@ import os
 from dataclasses import dataclass, field
 
 from mergepipe.errors import BadInput
+from mergepipe.storage import remote
 from mergepipe.storage.fingerprints import FileFingerprint
+from mergepipe.storage.hub import is_hub
 from mergepipe.storage.location import is_remote, join, normalize, split
 from mergepipe.storage.reader import RangeReader, fingerprint, list_folder, read_small_file, stat
 from mergepipe.storage.safetensors_format import TensorPlace, header_length, parse_header
@@ -88,18 +90,25 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
 
     `uri` is a folder (local, or an object-store prefix) or a single .safetensors file."""
     uri = normalize(uri)
+    if is_hub(uri):  # read from the commit its revision names now, whatever the revision does later
+        return _discover_in(uri, remote.pin(uri))
     if uri.endswith(".safetensors") and stat(uri) is not None:
         root, name = split(uri)
         return ModelFiles(uri, root, [name], []), None
-    files = list_folder(uri)
+    return _discover_in(uri, uri)
+
+
+def _discover_in(uri: str, folder: str) -> tuple[ModelFiles, dict[str, str] | None]:
+    """A model folder's files (`uri` as the config names it, `folder` where its files are)."""
+    files = list_folder(folder, (INDEX_FILE, SINGLE_FILE, *SIDECAR_FILES))
     if files is None:
-        if stat(uri) is not None:
+        if stat(folder) is not None:
             raise BadInput(f"{uri}: not a .safetensors file or a model folder")
         raise BadInput(f"{uri}: model not found (no such file or folder)")
     present = set(files)
     sidecars = [n for n in SIDECAR_FILES if n in present]
     if INDEX_FILE in present:
-        index_path = join(uri, INDEX_FILE)
+        index_path = join(folder, INDEX_FILE)
         try:
             index = json.loads(read_small_file(index_path))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -107,13 +116,13 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise BadInput(f"{index_path}: weight_map must map tensor names to shard file names")
-        shards = sorted({_inside(uri, v, index_path) for v in weight_map.values()})
+        shards = sorted({_inside(folder, v, index_path) for v in weight_map.values()})
         for s in shards:
-            if s not in present:
+            if s not in present and (not is_remote(folder) or stat(join(folder, s)) is None):
                 raise BadInput(f"{index_path}: shard {s!r} is missing")
-        return ModelFiles(uri, uri, shards, sidecars), weight_map
+        return ModelFiles(uri, folder, shards, sidecars), weight_map
     if SINGLE_FILE in present:
-        return ModelFiles(uri, uri, [SINGLE_FILE], sidecars), None
+        return ModelFiles(uri, folder, [SINGLE_FILE], sidecars), None
     raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
 
 

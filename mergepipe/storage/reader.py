@@ -58,10 +58,11 @@ def fingerprint(uri: str) -> FileFingerprint:
     return fp
 
 
-def list_folder(uri: str) -> list[str] | None:
-    """Names of the files directly in a folder (or under a prefix); None if there is none."""
+def list_folder(uri: str, names: tuple[str, ...] = ()) -> list[str] | None:
+    """Names of the files directly in a folder (or under a prefix); None if there is none. An
+    http(s) folder, which cannot be listed, answers for `names` only."""
     if is_remote(uri):
-        return remote.list_folder(uri)
+        return remote.list_folder(uri, names)
     if not os.path.isdir(uri):
         return None
     return sorted(e.name for e in os.scandir(uri) if e.is_file())
@@ -135,7 +136,13 @@ class RangeReader:
                 by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
         fetched: dict[int, list[Buffer]] = defaultdict(list)
         for items in by_protocol.values():
-            for (k, *_), data in zip(items, remote.fetch([(p, s, e) for _, p, s, e in items])):
+
+            def retried(positions: list[int], items=items) -> None:  # sent again: counted apart
+                for i in positions:
+                    k, _, start, end = items[i]
+                    self.ledger.add("retry", requests[k].model, requests[k].file, end - start)
+
+            for (k, *_), data in zip(items, remote.fetch([(p, s, e) for _, p, s, e in items], retried)):
                 fetched[k].append(data)
         out = []
         for k, req in enumerate(requests):

@@ -18,8 +18,9 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.storage import hub
 from mergepipe.storage.fingerprints import FileFingerprint
-from mergepipe.storage.location import filesystem, fs_path
+from mergepipe.storage.location import HTTP, filesystem, fs_path, hub_token, protocol
 
 log = logging.getLogger("mergepipe.storage")
 
@@ -67,7 +68,25 @@ def _botocore_permanent(exc: BaseException) -> bool:
     return isinstance(exc, bx.BotoCoreError) and not isinstance(exc, retryable)
 
 
+def _http_status(exc: BaseException) -> int | None:
+    """The status of an HTTP error response (aiohttp's, as fsspec's HTTP filesystem raises)."""
+    status = getattr(exc, "status", None)
+    return status if type(exc).__name__ == "ClientResponseError" and isinstance(status, int) else None
+
+
+def retry_after(exc: BaseException | None) -> float:
+    """Seconds a 429 or 503 answer asked the client to wait (Retry-After), at most a minute."""
+    headers = getattr(exc, "headers", None) or {}
+    try:
+        return min(60.0, max(0.0, float(headers.get("Retry-After", 0))))
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def is_transient(exc: BaseException) -> bool:
+    status = _http_status(exc)
+    if status is not None:
+        return status == 429 or status == 408 or status >= 500
     if isinstance(
         exc, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError, BadInput)
     ):
@@ -87,6 +106,11 @@ def final_error(exc: BaseException, uri: str, what: str) -> Exception:
     """The error a user sees, naming the object."""
     if isinstance(exc, FileNotFoundError):
         return BadInput(f"{uri}: object not found")
+    status = _http_status(exc)
+    if status in (401, 403):
+        return BadInput(f"{uri}: access denied ({status}, {what}); a token with access to it is needed")
+    if status is not None and status < 500 and status not in (408, 429):
+        return BadInput(f"{uri}: {what} refused by the server ({status})")
     if isinstance(exc, PermissionError):
         return BadInput(f"{uri}: access denied ({what})")
     if _is_credentials_error(exc):
@@ -112,13 +136,14 @@ def retrying(uri: str, what: str, call: Callable[[], T]) -> T:
             if not is_transient(exc) or attempt == ATTEMPTS:
                 raise final_error(exc, uri, what) from exc
             log.info("%s: %s: transient %s, retrying", uri, what, type(exc).__name__)
-            time.sleep(backoff(attempt))
+            time.sleep(max(backoff(attempt), retry_after(exc)))
     raise AssertionError("unreachable")
 
 
-def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
+def fetch(items: list[tuple[str, int, int]], on_retry: Callable[[list[int]], None] | None = None) -> list[bytearray]:
     """The bytes of each (uri, start, end) range, fetched concurrently (at most CONCURRENCY in
-    flight); ranges that fail are fetched again, whole. All URIs share one protocol."""
+    flight); ranges that fail are fetched again, whole, each time told to `on_retry` (their
+    positions in `items`). All URIs share one protocol."""
     if not items:
         return []
     fs = filesystem(items[0][0])
@@ -151,11 +176,18 @@ def fetch(items: list[tuple[str, int, int]]) -> list[bytearray]:
         todo = failed
         if todo and attempt < ATTEMPTS:
             log.info("%s: %d ranged reads failed (%s), retrying", items[todo[0]][0], len(todo), type(last).__name__)
-            time.sleep(backoff(attempt))
+            if on_retry:
+                on_retry(todo)
+            time.sleep(max(backoff(attempt), retry_after(last)))
     if todo:
         uri, start, end = items[todo[0]]
         raise final_error(last, uri, f"read of bytes {start}-{end}")
     return out  # type: ignore[return-value]
+
+
+def pin(uri: str) -> str:
+    """The root URL of the commit a Hub location (hf://ORG/NAME[@REVISION]) names now."""
+    return retrying(uri, "revision lookup", lambda: hub.lookup(uri, hub_token()))
 
 
 def read_ranges(uri: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
@@ -170,6 +202,10 @@ def read_all(uri: str) -> bytes:
 
 def stat(uri: str) -> FileFingerprint | None:
     """The object's fingerprint, or None when there is no object at that key."""
+    if protocol(uri) in HTTP:
+        known = hub.stat(uri)
+        if known is not False:
+            return known
     fs = filesystem(uri)
 
     def call():
@@ -185,8 +221,11 @@ def stat(uri: str) -> FileFingerprint | None:
     return retrying(uri, "stat", call)
 
 
-def list_folder(uri: str) -> list[str] | None:
-    """Names of the objects directly under a prefix; None when nothing is there."""
+def list_folder(uri: str, names: tuple[str, ...] = ()) -> list[str] | None:
+    """Names of the objects directly under a prefix; None when nothing is there. An http(s)
+    folder cannot be listed: those of `names` that are there (a pinned Hub commit is listed)."""
+    if protocol(uri) in HTTP:
+        return hub.list_folder(uri, (names, lambda n: stat(f"{uri.rstrip('/')}/{n}") is not None))
     fs = filesystem(uri)
     path = fs_path(uri).rstrip("/")
 

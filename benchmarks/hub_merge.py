@@ -1,0 +1,157 @@
+"""Merging straight from a Hub against downloading the experts first, over a capped link.
+
+    .venv/bin/python benchmarks/hub_merge.py                       # ~1.6 GB family, 100 MB/s
+    .venv/bin/python benchmarks/hub_merge.py --layers 4 --rate 50e6
+
+A generated family (base + 3 experts, bf16, two shards each) is served by the tests' Hub-shaped
+server (tests/hub_server.py) on loopback with its bandwidth capped (a shared link: concurrent
+requests split it), and `HF_ENDPOINT` pointing at it. Timed, each in a fresh catalog where it
+says so:
+
+  hub_first_10%    `mergepipe merge` of hf:// models at 10%, catalog empty: the index pass (the
+                   one full read of the experts) is included
+  hub_10%, hub_25% the same merges with the family indexed (a catalog any machine may share)
+  download         huggingface_hub.snapshot_download of the base and the experts (mergekit's way:
+                   every expert file whole), then
+  local_10%        the 10% merge from the downloaded folders, catalog empty (the index reads
+                   them from local disk)
+
+Bytes on the wire are counted by the server (body bytes sent), per run. Results: JSON under
+--results (default benchmarks/results/hub-merge/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--intermediate", type=int, default=4096)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--rate", type=float, default=100e6, help="link bandwidth, bytes per second")
+    ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "hub-merge"))
+    args = ap.parse_args()
+
+    from mergepipe.devtools.synthetic import make_family
+    from tests.hub_server import HubServer
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="hub-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    fam = make_family(
+        work / "fam",
+        experts=("dense", "dense", "lora"),
+        n_layers=args.layers,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        vocab=args.vocab,
+        dtype="bfloat16",
+        shards=2,
+        seed=3,
+    )
+    expert_bytes = sum(p.stat().st_size for e in fam.experts for p in e.glob("*.safetensors"))
+    print(f"family generated in {time.perf_counter() - t:.1f} s: {expert_bytes / 1e9:.2f} GB of expert files")
+
+    server = HubServer(rate=args.rate)
+    os.environ["HF_ENDPOINT"] = server.endpoint
+    os.environ["HF_HOME"] = str(work / "hf-home")
+    os.environ.pop("HF_TOKEN", None)
+    server.publish("bench/base", fam.base)
+    for i, e in enumerate(fam.experts):
+        server.publish(f"bench/e{i}", e)
+    import yaml
+
+    def config(base: str, experts: list[str], name: str) -> Path:
+        doc = {
+            "merge_method": "task_arithmetic",
+            "base_model": base,
+            "models": [{"model": e, "parameters": {"weight": w}} for e, w in zip(experts, (0.6, 0.9, 0.4))],
+        }
+        path = work / name
+        path.write_text(yaml.safe_dump(doc))
+        return path
+
+    from mergepipe.flows.merge import merge
+
+    hub_cfg = config("hf://bench/base", [f"hf://bench/e{i}" for i in range(3)], "hub.yaml")
+    rows = []
+
+    def run(label: str, fn) -> dict:
+        server.reset_log()
+        t0 = time.perf_counter()
+        out = fn()
+        row = {
+            "run": label,
+            "seconds": round(time.perf_counter() - t0, 2),
+            "wire_expert_bytes": server.wire_bytes(r"^/bench/e\d/.*\.safetensors$"),
+            "wire_bytes": server.wire_bytes(r"."),
+            **(out or {}),
+        }
+        rows.append(row)
+        print(json.dumps(row))
+        return row
+
+    def hub_merge(budget: str, catalog: Path, name: str):
+        r = merge(config=str(hub_cfg), out=str(work / name), budget=budget, catalog=str(catalog))
+        return {"budget_bytes": r["budget_bytes"], "expert_bytes_read": r["expert_bytes_read"], "digest": r["digest"]}
+
+    cat = work / "hub-catalog.duckdb"
+    run("hub_first_10%", lambda: hub_merge("10%", cat, "out-first"))
+    run("hub_10%", lambda: hub_merge("10%", cat, "out-10"))
+    run("hub_25%", lambda: hub_merge("25%", cat, "out-25"))
+
+    from huggingface_hub import snapshot_download
+
+    local = work / "downloaded"
+
+    def download():
+        for repo in ["bench/base", *[f"bench/e{i}" for i in range(3)]]:
+            snapshot_download(repo, local_dir=str(local / repo), endpoint=server.endpoint)
+
+    run("download", download)
+    local_cfg = config(str(local / "bench/base"), [str(local / f"bench/e{i}") for i in range(3)], "local.yaml")
+    run(
+        "local_10%",
+        lambda: {
+            "digest": merge(
+                config=str(local_cfg), out=str(work / "out-local"), budget="10%", catalog=str(work / "local.duckdb")
+            )["digest"]
+        },
+    )
+    server.close()
+    result = {
+        "family": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "intermediate": args.intermediate,
+            "vocab": args.vocab,
+            "expert_file_bytes": expert_bytes,
+        },
+        "rate_bytes_per_s": args.rate,
+        "rows": rows,
+        "same_digest_10%": rows[1]["digest"] == rows[4]["digest"] == rows[0]["digest"],
+    }
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hub_merge.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({"same_digest_10%": result["same_digest_10%"]}))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

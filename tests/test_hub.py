@@ -1,0 +1,212 @@
+"""Models read straight from a Hub-shaped server (tests/hub_server.py) on loopback: hf://
+locations pinned to commits, https:// folders, exact ranged reads counted by the server, a
+branch that moves, a flaky server, and tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mergepipe.cli import app
+from mergepipe.devtools.synthetic import make_family
+from mergepipe.errors import BadInput
+from mergepipe.flows.index_family import index_family
+from mergepipe.flows.merge import merge
+from mergepipe.flows.replay import replay
+from mergepipe.storage.model_files import MANIFEST_FILE
+
+from .helpers import assert_bit_identical
+from .hub_server import TOKEN, HubServer
+from .reference import load_model
+
+pytestmark = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("huggingface_hub") is None, reason="needs mergepipe[hub]"
+)
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    server = HubServer()
+    saved = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_TOKEN", "HF_HOME")}
+    os.environ["HF_ENDPOINT"] = server.endpoint
+    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))  # no saved login
+    os.environ.pop("HF_TOKEN", None)
+    try:
+        yield server
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.close()
+
+
+@pytest.fixture(scope="module")
+def family(hub, tmp_path_factory):
+    """One family on local disk and on the server, as org/base and org/e0..e2."""
+    local = make_family(
+        tmp_path_factory.mktemp("hubfam"),
+        experts=("dense", "dense", "lora"),
+        n_layers=2,
+        hidden=128,
+        intermediate=256,
+        vocab=512,
+        dtype="bfloat16",
+        shards=2,
+        seed=11,
+    )
+    hub.publish("org/base", local.base)
+    for i, e in enumerate(local.experts):
+        hub.publish(f"org/e{i}", e)
+    return local
+
+
+def _config(tmp_path: Path, base: str, experts: list[str], name: str, **extra) -> Path:
+    doc = {
+        "merge_method": "task_arithmetic",
+        "base_model": base,
+        "models": [{"model": e, "parameters": {"weight": w}} for e, w in zip(experts, (0.6, 0.9, 0.4))],
+        "block_size": "16KiB",
+        **extra,
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def _hub_config(tmp_path: Path, name: str = "hub.yaml", **extra) -> Path:
+    return _config(tmp_path, "hf://org/base", [f"hf://org/e{i}" for i in range(3)], name, **extra)
+
+
+@pytest.fixture(scope="module")
+def local_reference(family, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hubref")
+    cfg = _config(tmp, str(family.base), [str(e) for e in family.experts], "local.yaml")
+    catalog = str(tmp / "catalog.duckdb")
+    budgets = {"10%": "10%", "100%": None}  # the hub merges give no budget for a full one
+    return {k: merge(config=str(cfg), out=str(tmp / k), budget=b, catalog=catalog) for k, b in budgets.items()}
+
+
+def test_hub_and_https_folders_give_the_local_digest(hub, family, local_reference, tmp_path):
+    catalog = str(tmp_path / "catalog.duckdb")
+    r = merge(config=str(_hub_config(tmp_path)), out=str(tmp_path / "hub"), catalog=catalog)
+    assert r["digest"] == local_reference["100%"]["digest"]
+    mirror = _config(
+        tmp_path,
+        f"{hub.endpoint}/mirror/org/base",
+        [f"{hub.endpoint}/mirror/org/e{i}" for i in range(3)],
+        "mirror.yaml",
+    )
+    m = merge(config=str(mirror), out=str(tmp_path / "mirror"), catalog=str(tmp_path / "catalog2.duckdb"))
+    assert m["digest"] == local_reference["100%"]["digest"]
+    # Every input records the commit it was read at.
+    inputs = json.loads((tmp_path / "hub" / MANIFEST_FILE).read_text())["run"]["inputs"]
+    assert all(re.search(r"/resolve/[0-9a-f]{40}$", i["root"]) for i in inputs)
+
+
+def test_a_ten_percent_merge_puts_its_plan_on_the_wire(hub, family, local_reference, tmp_path):
+    """Counted by the server: the expert files' bytes sent for a merge of an indexed family are
+    the plan's bytes (each block run one GET for exactly its bytes) plus the headers."""
+    catalog = str(tmp_path / "catalog.duckdb")
+    cfg = _hub_config(tmp_path)
+    index_family(config=str(cfg), catalog=catalog)
+    hub.reset_log()
+    r = merge(config=str(cfg), out=str(tmp_path / "out"), budget="10%", catalog=catalog)
+    assert r["digest"] == local_reference["10%"]["digest"]
+    headers = sum(
+        8 + int.from_bytes((p).read_bytes()[:8], "little")
+        for e in family.experts
+        for p in sorted(e.glob("*.safetensors"))
+    )
+    sent = hub.wire_bytes(r"^/org/e\d/resolve/.*\.safetensors$")
+    assert sent <= 1.05 * r["budget_bytes"] + headers, (sent, r["budget_bytes"], headers)
+    assert sent - headers == r["expert_bytes_read"] == r["expert_bytes_planned"]
+    assert all(
+        s.range and re.match(r"^bytes=\d+-\d+$", s.range)
+        for s in hub.log
+        if s.path.endswith(".safetensors") and s.method == "GET"
+    )
+
+
+def test_a_moved_branch_stops_replay_naming_the_commits(hub, family, tmp_path):
+    catalog = str(tmp_path / "catalog.duckdb")
+    hub.publish("org/moving", family.experts[0])
+    cfg = _config(tmp_path, "hf://org/base", ["hf://org/moving", "hf://org/e1"], "moving.yaml")
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=catalog)
+    before = hub.repos["org/moving"].refs["main"]
+    after = hub.publish("org/moving", family.experts[2])
+    with pytest.raises(BadInput, match=rf"hf://org/moving: .*{before}.*{after}"):
+        replay(manifest=str(tmp_path / "out" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=catalog)
+    # Pinned to the old commit, the config still reads the bytes it read.
+    pinned = _config(tmp_path, "hf://org/base", [f"hf://org/moving@{before}", "hf://org/e1"], "pinned.yaml")
+    again = merge(config=str(pinned), out=str(tmp_path / "pinned"), catalog=catalog)
+    assert_bit_identical(tmp_path / "pinned", load_model(tmp_path / "out"))
+    assert again["digest"]
+
+
+def test_a_flaky_server_gives_the_same_digest(hub, family, local_reference, tmp_path):
+    catalog = str(tmp_path / "catalog.duckdb")
+    hub.reset_log()
+    hub.fail_share = 0.1
+    try:
+        r = merge(config=str(_hub_config(tmp_path)), out=str(tmp_path / "out"), budget="10%", catalog=catalog)
+    finally:
+        hub.fail_share = 0.0
+    assert hub.failed > 0
+    assert r["digest"] == local_reference["10%"]["digest"]
+    run = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())["run"]
+    assert run["bytes"]["retry"] + run["index_bytes"]["retry"] > 0  # ranges asked for again, counted apart
+
+
+def test_a_private_model_needs_a_token_that_goes_nowhere(hub, family, local_reference, tmp_path):
+    hub.publish("org/private-e0", family.experts[0], private=True)
+    experts = ["hf://org/private-e0", "hf://org/e1", "hf://org/e2"]
+    cfg = _config(tmp_path, "hf://org/base", experts, "private.yaml")
+    r = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "refused")])
+    assert r.exit_code == 2, r.output
+    assert "hf://org/private-e0" in r.output and "a token is needed" in r.output
+    catalog = tmp_path / "catalog.duckdb"
+    os.environ["HF_TOKEN"] = TOKEN
+    try:
+        r = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--catalog", str(catalog)])
+    finally:
+        os.environ.pop("HF_TOKEN", None)
+    assert r.exit_code == 0, r.output
+    assert TOKEN not in r.output
+    for p in [*(tmp_path / "out").iterdir(), catalog]:
+        assert TOKEN.encode() not in p.read_bytes(), p
+    # A token in the config's storage_options works too, and is never recorded.
+    cfg2 = _config(tmp_path, "hf://org/base", experts, "private2.yaml", storage_options={"hf_token": TOKEN})
+    r = CliRunner().invoke(app, ["merge", str(cfg2), "--out", str(tmp_path / "out2"), "--catalog", str(catalog)])
+    assert r.exit_code == 0, r.output
+    for p in [*(tmp_path / "out2").iterdir(), catalog]:
+        assert TOKEN.encode() not in p.read_bytes(), p
+
+
+def test_mergekit_hub_ids_with_the_hub_key(hub, family, local_reference, tmp_path):
+    """`hub: true`: ORG/NAME and ORG/NAME@REVISION as mergekit users write them are Hub models,
+    unless a folder of that name lies beside the config (then it is that folder)."""
+    sha = hub.repos["org/e1"].refs["main"]
+    (tmp_path / "org" / "e2").mkdir(parents=True)
+    for p in family.experts[2].iterdir():
+        (tmp_path / "org" / "e2" / p.name).write_bytes(p.read_bytes())
+    cfg = _config(tmp_path, "org/base", ["org/e0", f"org/e1@{sha}", "org/e2"], "ids.yaml", hub=True)
+    r = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=str(tmp_path / "catalog.duckdb"))
+    assert r["digest"] == local_reference["100%"]["digest"]
+    inputs = json.loads((tmp_path / "out" / MANIFEST_FILE).read_text())["run"]["inputs"]
+    assert [i["uri"] for i in inputs] == [
+        "hf://org/base",
+        "hf://org/e0",
+        f"hf://org/e1@{sha}",
+        str(tmp_path / "org" / "e2"),
+    ]
+    without = _config(tmp_path, "org/base", ["org/e0"], "local-ids.yaml")
+    r = CliRunner().invoke(app, ["merge", str(without), "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 2 and "model not found" in r.output
