@@ -210,3 +210,31 @@ def test_mergekit_hub_ids_with_the_hub_key(hub, family, local_reference, tmp_pat
     without = _config(tmp_path, "org/base", ["org/e0"], "local-ids.yaml")
     r = CliRunner().invoke(app, ["merge", str(without), "--out", str(tmp_path / "o2")])
     assert r.exit_code == 2 and "model not found" in r.output
+
+
+def test_slices_from_the_hub_record_every_commit_they_read(hub, tmp_path):
+    """A frankenmerge of two Hub models reads the second one's layers by its commit URLs: the
+    local digest, and a replay refused once that model's branch has moved."""
+    from .test_slices import FRANKEN, ORCA, PLATYPUS, _config
+
+    local = merge(
+        config=str(_config(tmp_path, FRANKEN, "local.yaml")),
+        out=str(tmp_path / "local"),
+        catalog=str(tmp_path / "c1.duckdb"),
+    )
+    hub.publish("llama/orca", Path(ORCA))
+    hub.publish("llama/platypus", Path(PLATYPUS))
+    text = (
+        json.dumps(FRANKEN)
+        .replace(json.dumps(ORCA)[1:-1], "hf://llama/orca")
+        .replace(json.dumps(PLATYPUS)[1:-1], "hf://llama/platypus")
+    )
+    catalog = str(tmp_path / "c2.duckdb")
+    r = merge(config=str(_config(tmp_path, json.loads(text), "hub.yaml")), out=str(tmp_path / "hub"), catalog=catalog)
+    assert r["digest"] == local["digest"]
+    run = json.loads((tmp_path / "hub" / MANIFEST_FILE).read_text())["run"]
+    assert [c.split("/resolve/")[0].rsplit("/", 1)[1] for c in run["commits"]] == ["orca", "platypus"]
+    before = hub.repos["llama/platypus"].refs["main"]
+    after = hub.publish("llama/platypus", Path(ORCA))
+    with pytest.raises(BadInput, match=rf"hf://llama/platypus: .*{before}.*{after}"):
+        replay(manifest=str(tmp_path / "hub" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=catalog)

@@ -31,6 +31,7 @@ from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
 from mergepipe.publish.manifest import MANIFEST_FILE, versions
+from mergepipe.storage.hub import commit_roots
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import join
 from mergepipe.storage.staging import staging_at
@@ -347,7 +348,9 @@ def execute_plan(ex: Execution) -> dict:
             "wall_seconds": time.perf_counter() - ex.t0,
             "flow_run_id": flow_run_id(),
             "versions": versions(),
-            # root: where the files were read (a Hub model's commit, which replay checks)
+            # the Hub commits read (replay reads the same ones or refuses), and where each input's
+            # files were read
+            "commits": commit_roots([i.root for i in plan.inputs] + [f for i in plan.inputs for f in i.files]),
             "inputs": [
                 {"role": i.role, "uri": i.uri, "root": i.root, "files": i.files, "model_fp": i.model_fp}
                 for i in plan.inputs

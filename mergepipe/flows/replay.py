@@ -61,7 +61,7 @@ def replay(
 
 def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, t0: float) -> dict:
     spec, content = request.spec, recorded["content"]
-    check_commits(recorded["run"]["inputs"])  # before any byte is read
+    check_commits(spec.model_uris, recorded["run"].get("commits", []))  # before any byte is read
     outcome = run_index(spec, request.catalog)
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
     for want, fp, uri in zip(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mergepipe.errors import BadInput
 from mergepipe.plan.record import Plan
 from mergepipe.storage import remote
-from mergepipe.storage.hub import commit_of, is_hub
+from mergepipe.storage.hub import commit_of, is_hub, parse, repo_of
 from mergepipe.storage.location import join
 from mergepipe.storage.reader import stat
 
@@ -23,18 +23,19 @@ def changed_inputs(plan: Plan) -> list[str]:
     return changed
 
 
-def check_commits(inputs: list[dict]) -> None:
-    """Replay reads what the merge read: each Hub model's revision must still name the commit
-    the manifest records (`run.inputs[*].root`); refused naming both where it has moved."""
-    for record in inputs:
-        home = record["uri"].split("#", 1)[0]  # a view's home model
-        then = commit_of(record.get("root", ""))
-        if then is None or not is_hub(home):
+def check_commits(models: list[str], recorded: list[str]) -> None:
+    """Replay reads what the merge read: each Hub model's revision must still name a commit the
+    manifest records (`run.commits`, the pinned roots the merge read); refused, before any
+    read, naming the model and both commits where it has moved."""
+    for uri in models:
+        if not is_hub(uri):
             continue
-        now = commit_of(remote.pin(home))
-        if now != then:
-            repo = home[len("hf://") :].split("@", 1)[0]
-            raise BadInput(
-                f"{home}: its revision has moved since the merge: the merge read commit {then}, it names "
-                f"commit {now} now; replay refuses to read other bytes (merge hf://{repo}@{then} to read the same)"
-            )
+        now = remote.pin(uri)
+        if now in recorded:
+            continue
+        repo = parse(uri).repo
+        then = next((commit_of(r) for r in recorded if repo_of(r) == repo), None)
+        raise BadInput(
+            f"{uri}: its revision has moved since the merge: the merge read commit {then}, it names "
+            f"commit {commit_of(now)} now; replay refuses to read other bytes (merge hf://{repo}@{then} to read the same)"
+        )

@@ -26,7 +26,8 @@ from mergepipe.storage.fingerprints import FileFingerprint
 HUB = "hf://"
 DEFAULT_ENDPOINT = "https://huggingface.co"
 _REPO = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_COMMIT_ROOT = re.compile(r"^(?P<endpoint>.+)/(?P<repo>[^/]+(?:/[^/]+)?)/resolve/(?P<commit>[0-9a-f]{40})$")
+# A location inside a pinned commit: ENDPOINT/ORG/NAME/resolve/COMMIT[/FILE]
+_COMMIT_URL = re.compile(r"^(?P<root>.+/(?P<repo>[^/]+/[^/]+)/resolve/(?P<commit>[0-9a-f]{40}))(?:/|$)")
 
 _lock = threading.Lock()
 # What a commit holds never changes: its files, by commit root URL, once listed.
@@ -116,10 +117,20 @@ def lookup(uri: str, given: str | None) -> str:
     return root
 
 
-def commit_of(root: str) -> str | None:
-    """The commit a pinned root URL names (None for any other location)."""
-    m = _COMMIT_ROOT.match(root)
+def commit_of(location: str) -> str | None:
+    """The commit a location inside a pinned commit names (None for any other location)."""
+    m = _COMMIT_URL.match(location)
     return m.group("commit") if m else None
+
+
+def commit_roots(locations) -> list[str]:
+    """The pinned commits (their root URLs) that these locations lie in, each once, sorted."""
+    return sorted({m.group("root") for loc in locations if (m := _COMMIT_URL.match(loc))})
+
+
+def repo_of(location: str) -> str | None:
+    m = _COMMIT_URL.match(location)
+    return m.group("repo") if m else None
 
 
 def _known(uri: str) -> tuple[dict[str, FileFingerprint], str] | None:
