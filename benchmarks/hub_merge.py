@@ -15,6 +15,12 @@ says so:
                    every expert file whole), then
   local_10%        the 10% merge from the downloaded folders, catalog empty (the index reads
                    them from local disk)
+  cache_first_10%  as hub_first_10% with --cache (an empty cache and catalog): the index pass
+                   fills the cache, the merge reads from it
+  cache_25%        then a 25% merge: only the ranges the cache lacks cross the wire
+
+The server runs in a process of its own (`python -m tests.hub_server`), so that it does not share
+an interpreter with the merge it serves.
 
 Bytes on the wire are counted by the server (body bytes sent), per run. Results: JSON under
 --results (default benchmarks/results/hub-merge/).
@@ -25,10 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +56,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from mergepipe.devtools.synthetic import make_family
-    from tests.hub_server import HubServer
 
     work = Path(args.work or tempfile.mkdtemp(prefix="hub-bench-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -66,13 +74,20 @@ def main() -> None:
     expert_bytes = sum(p.stat().st_size for e in fam.experts for p in e.glob("*.safetensors"))
     print(f"family generated in {time.perf_counter() - t:.1f} s: {expert_bytes / 1e9:.2f} GB of expert files")
 
-    server = HubServer(rate=args.rate)
-    os.environ["HF_ENDPOINT"] = server.endpoint
+    repos = [f"bench/base={fam.base}"] + [f"bench/e{i}={e}" for i, e in enumerate(fam.experts)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.hub_server", str(args.rate), *repos], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    endpoint = proc.stdout.readline().strip()
+    os.environ["HF_ENDPOINT"] = endpoint
     os.environ["HF_HOME"] = str(work / "hf-home")
     os.environ.pop("HF_TOKEN", None)
-    server.publish("bench/base", fam.base)
-    for i, e in enumerate(fam.experts):
-        server.publish(f"bench/e{i}", e)
+
+    def wire_log() -> list:
+        """[path, body bytes] of each request the server answered since the last call."""
+        with urllib.request.urlopen(f"{endpoint}/_log") as r:
+            return json.loads(r.read())
+
     import yaml
 
     def config(base: str, experts: list[str], name: str) -> Path:
@@ -91,14 +106,16 @@ def main() -> None:
     rows = []
 
     def run(label: str, fn) -> dict:
-        server.reset_log()
+        wire_log()  # forget what came before
         t0 = time.perf_counter()
         out = fn()
+        seconds = time.perf_counter() - t0
+        sent = wire_log()
         row = {
             "run": label,
-            "seconds": round(time.perf_counter() - t0, 2),
-            "wire_expert_bytes": server.wire_bytes(r"^/bench/e\d/.*\.safetensors$"),
-            "wire_bytes": server.wire_bytes(r"."),
+            "seconds": round(seconds, 2),
+            "wire_expert_bytes": sum(n for path, n in sent if re.search(r"^/bench/e\d/.*\.safetensors$", path)),
+            "wire_bytes": sum(n for _, n in sent),
             **(out or {}),
         }
         rows.append(row)
@@ -107,7 +124,12 @@ def main() -> None:
 
     def hub_merge(budget: str, catalog: Path, name: str):
         r = merge(config=str(hub_cfg), out=str(work / name), budget=budget, catalog=str(catalog))
-        return {"budget_bytes": r["budget_bytes"], "expert_bytes_read": r["expert_bytes_read"], "digest": r["digest"]}
+        return {
+            "budget_bytes": r["budget_bytes"],
+            "expert_bytes_read": r["expert_bytes_read"],
+            "digest": r["digest"],
+            "timings": {k: round(v, 2) for k, v in r.get("timings", {}).items()},
+        }
 
     cat = work / "hub-catalog.duckdb"
     run("hub_first_10%", lambda: hub_merge("10%", cat, "out-first"))
@@ -120,7 +142,7 @@ def main() -> None:
 
     def download():
         for repo in ["bench/base", *[f"bench/e{i}" for i in range(3)]]:
-            snapshot_download(repo, local_dir=str(local / repo), endpoint=server.endpoint)
+            snapshot_download(repo, local_dir=str(local / repo), endpoint=endpoint)
 
     run("download", download)
     local_cfg = config(str(local / "bench/base"), [str(local / f"bench/e{i}") for i in range(3)], "local.yaml")
@@ -132,7 +154,12 @@ def main() -> None:
             )["digest"]
         },
     )
-    server.close()
+    cat2 = work / "cache-catalog.duckdb"
+    os.environ["MERGEPIPE_CACHE"] = str(work / "cache")
+    run("cache_first_10%", lambda: hub_merge("10%", cat2, "out-cache-10"))
+    run("cache_25%", lambda: hub_merge("25%", cat2, "out-cache-25"))
+    os.environ.pop("MERGEPIPE_CACHE")
+    proc.kill()
     result = {
         "family": {
             "layers": args.layers,

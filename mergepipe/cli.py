@@ -47,6 +47,20 @@ BudgetOpt = typer.Option(
 AllowEmptyOpt = typer.Option(
     False, "--allow-empty", help="Merge even when the budget admits no expert block (the output is then the base)."
 )
+CacheOpt = typer.Option(
+    None,
+    "--cache",
+    help="Keep the byte ranges read from Hub models (pinned commits) in this folder, and read them "
+    "from it again (MERGEPIPE_CACHE does the same).",
+)
+
+
+def _use_cache(folder: Optional[str]) -> None:
+    """The cache folder for this process and the flow runs it starts in it."""
+    if folder:
+        os.environ["MERGEPIPE_CACHE"] = str(Path(folder).expanduser().resolve())
+
+
 MemoryOpt = typer.Option(
     None,
     "--memory",
@@ -168,8 +182,14 @@ def _print_merge(result: dict, title: str) -> None:
 
 
 @app.command()
-def index(config: str = ConfigArg, catalog: Optional[str] = CatalogOpt, as_json: bool = JsonOpt) -> None:
+def index(
+    config: str = ConfigArg,
+    catalog: Optional[str] = CatalogOpt,
+    cache: Optional[str] = CacheOpt,
+    as_json: bool = JsonOpt,
+) -> None:
     """Index a family: headers, then block statistics for experts not indexed yet."""
+    _use_cache(cache)
 
     def go() -> dict:
         _request(config, catalog=_catalog(catalog))
@@ -255,9 +275,11 @@ def merge(
     catalog: Optional[str] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
+    cache: Optional[str] = CacheOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Index, plan and merge; publish the output with its manifest."""
+    _use_cache(cache)
 
     def go() -> dict:
         args = dict(
@@ -356,9 +378,11 @@ def replay(
     catalog: Optional[str] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
+    cache: Optional[str] = CacheOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Re-execute a manifest's access set and reproduce its digest (refuses changed inputs)."""
+    _use_cache(cache)
 
     def go() -> dict:
         from mergepipe.config.request import check_runner

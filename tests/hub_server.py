@@ -21,6 +21,7 @@ from urllib.parse import unquote, urlsplit
 
 TOKEN = "hf_test_secret_token_0123456789"
 CHUNK = 64 * 1024  # paced writes, when the link is capped
+BURST = 512 * 1024
 
 
 @dataclass
@@ -51,7 +52,7 @@ class HubServer:
         """rate: the link's bandwidth in bytes per second, shared by every connection (None:
         as fast as loopback goes)."""
         self.rate = rate
-        self._next_free = 0.0  # when the capped link is free again (monotonic seconds)
+        self._tokens, self._at = float(BURST), time.monotonic()  # the capped link's token bucket
         self.repos: dict[str, Repo] = {}
         self.log: list[Sent] = []
         self.fail_share = 0.0
@@ -124,8 +125,9 @@ class HubServer:
         self._record(h, status, 0 if head else len(body))
 
     def _send(self, h, body: bytes) -> None:
-        """The body, paced to the link's rate when there is one: each chunk waits for its turn
-        on the shared link, so concurrent requests share the bandwidth."""
+        """The body, paced to the link's rate when there is one: a token bucket shared by every
+        connection (a burst of BURST bytes at most), so concurrent requests share the bandwidth
+        and a thread that wakes late loses the link no time."""
         if not self.rate:
             h.wfile.write(body)
             return
@@ -133,9 +135,12 @@ class HubServer:
         for at in range(0, len(body), CHUNK):
             chunk = view[at : at + CHUNK]
             with self._lock:
-                start = max(time.monotonic(), self._next_free)
-                self._next_free = start + len(chunk) / self.rate
-            time.sleep(max(0.0, start - time.monotonic()))
+                now = time.monotonic()
+                self._tokens = min(BURST, self._tokens + (now - self._at) * self.rate) - len(chunk)
+                self._at = now
+                wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+            if wait:
+                time.sleep(wait)
             h.wfile.write(chunk)
 
     def _error(self, h, status: int, code: str, head: bool = False) -> None:
@@ -144,6 +149,15 @@ class HubServer:
 
     def _serve(self, h: BaseHTTPRequestHandler, head: bool) -> None:
         path = unquote(urlsplit(h.path).path)
+        if path == "/_log":  # for a client in another process (benchmarks/hub_merge.py)
+            with self._lock:
+                body = json.dumps([[s.path, s.body] for s in self.log]).encode()
+                self.log.clear()
+            h.send_response(200)
+            h.send_header("Content-Length", str(len(body)))
+            h.end_headers()
+            h.wfile.write(body)
+            return
         m = re.match(r"^/api/models/([^/]+/[^/]+)/revision/(.+)$", path)
         if m:
             return self._api(h, m.group(1), m.group(2), head)
@@ -234,3 +248,23 @@ class HubServer:
         self._record(h, -1, len(half))
         h.close_connection = True
         h.connection.shutdown(2)
+
+
+def main() -> None:
+    """Serve model folders as Hub repositories from a process of its own (so that the server
+    does not share an interpreter with the client it measures): `python -m tests.hub_server
+    RATE REPO=FOLDER ...`; prints the endpoint, then serves until killed. GET /_log returns the
+    [path, body bytes] of each request since the last call, and forgets them."""
+    import sys
+
+    rate = float(sys.argv[1]) or None
+    server = HubServer(rate=rate)
+    for arg in sys.argv[2:]:
+        repo, folder = arg.split("=", 1)
+        server.publish(repo, Path(folder))
+    print(server.endpoint, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

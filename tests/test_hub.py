@@ -238,3 +238,115 @@ def test_slices_from_the_hub_record_every_commit_they_read(hub, tmp_path):
     after = hub.publish("llama/platypus", Path(ORCA))
     with pytest.raises(BadInput, match=rf"hf://llama/platypus: .*{before}.*{after}"):
         replay(manifest=str(tmp_path / "hub" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=catalog)
+
+
+@pytest.mark.slow
+def test_the_token_is_nowhere_in_prefect_or_the_logs(prefect_flows, hub, family, tmp_path, request):
+    """A merge of a private model run as a Prefect flow run: the token is in none of what the
+    server keeps of it (the flow run and its parameters, task runs, artifacts, the logs it has
+    received), nor in any log record the process emitted, at DEBUG."""
+    import logging
+    import time
+    from uuid import UUID
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    runs_logger = logging.getLogger("prefect.flow_runs")
+    request.addfinalizer(lambda level=runs_logger.level: runs_logger.setLevel(level))
+    runs_logger.setLevel(logging.INFO)
+    hub.publish("org/private-e1", family.experts[1], private=True)
+    cfg = _config(tmp_path, "hf://org/base", ["hf://org/e0", "hf://org/private-e1"], "p.yaml")
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    # Prefect's loggers do not propagate to the root: listen on each family of loggers at DEBUG.
+    names = ["", "mergepipe", "prefect", "prefect.flow_runs", "prefect.task_runs", "fsspec", "huggingface_hub", "httpx"]
+    keep, levels = Keep(logging.DEBUG), {n: logging.getLogger(n).level for n in names}
+    for n in names:
+        logging.getLogger(n).addHandler(keep)
+        logging.getLogger(n).setLevel(logging.DEBUG)
+    os.environ["HF_TOKEN"] = TOKEN
+    try:
+        got = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=str(tmp_path / "c.duckdb"))
+    finally:
+        os.environ.pop("HF_TOKEN", None)
+        for n in names:
+            logging.getLogger(n).removeHandler(keep)
+            logging.getLogger(n).setLevel(levels[n])
+    messages = [r.getMessage() for r in records]
+    assert len(messages) > 10 and not [m for m in messages if TOKEN in m]
+    run_id = UUID(got["flow_run_id"])
+    with get_client(sync_client=True) as client:
+        kept = [client.read_flow_run(run_id).model_dump_json()]
+        kept += [
+            t.model_dump_json()
+            for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+        ]
+        time.sleep(2)  # logs reach the API in batches
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        kept += [log.model_dump_json() for log in logs]
+        kept += [
+            a.model_dump_json()
+            for a in client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]))
+            )
+        ]
+    assert len(kept) > 3
+    assert not [k for k in kept if TOKEN in k]
+
+
+def test_a_cache_fetches_only_the_ranges_it_has_not_read(hub, family, local_reference, tmp_path):
+    """--cache: a 25% merge after a 10% one downloads only the blocks the 10% one did not read
+    (counted by the server; the ledger's cache role shows the rest), and a 10% merge again
+    downloads nothing. The digests do not change."""
+    catalog = str(tmp_path / "catalog.duckdb")
+    cfg = _hub_config(tmp_path)
+    index_family(config=str(cfg), catalog=catalog)
+    experts = r"^/org/e\d/resolve/.*\.safetensors$"
+    sent, runs = {}, {}
+    os.environ["MERGEPIPE_CACHE"] = str(tmp_path / "cache")
+    try:
+        for name, budget in (("a", "10%"), ("b", "25%"), ("c", "10%")):
+            hub.reset_log()
+            runs[name] = merge(config=str(cfg), out=str(tmp_path / name), budget=budget, catalog=catalog)
+            sent[name] = hub.wire_bytes(experts)
+    finally:
+        os.environ.pop("MERGEPIPE_CACHE", None)
+    assert runs["a"]["digest"] == runs["c"]["digest"] == local_reference["10%"]["digest"]
+    ledger = json.loads((tmp_path / "b" / MANIFEST_FILE).read_text())["run"]["ledger"]
+    cached = sum(r["bytes"] for r in ledger if r["role"] == "cache" and r["model"].startswith("expert"))
+    assert 0 < cached < runs["b"]["expert_bytes_read"]
+    assert sent["b"] == runs["b"]["expert_bytes_read"] - cached  # headers came from the cache too
+    assert sent["c"] == 0
+    # The command line's --cache is the same folder setting.
+    try:
+        r = CliRunner().invoke(
+            app,
+            [
+                "merge",
+                str(cfg),
+                "--out",
+                str(tmp_path / "d"),
+                "--budget",
+                "10%",
+                "--catalog",
+                catalog,
+                "--cache",
+                str(tmp_path / "cli-cache"),
+            ],
+        )
+    finally:
+        os.environ.pop("MERGEPIPE_CACHE", None)
+    assert r.exit_code == 0, r.output
+    assert list((tmp_path / "cli-cache").rglob("*.ranges"))

@@ -81,7 +81,7 @@ def lookup(uri: str, given: str | None) -> str:
     storage.remote.pin retries it); the commit's files are kept for stat and list_folder."""
     loc = parse(uri)
     try:
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, hf_hub_url
         from huggingface_hub import errors as hf_errors
     except ImportError:
         raise BadInput(f"{uri}: Hub models need huggingface_hub: install mergepipe[hub]") from None
@@ -107,7 +107,7 @@ def lookup(uri: str, given: str | None) -> str:
         if status in (401, 403):
             raise BadInput(f"{uri}: access denied ({status}); a token with access to it is needed") from None
         raise
-    root = f"{endpoint()}/{loc.repo}/resolve/{info.sha}"
+    root = hf_hub_url(loc.repo, "FILE", revision=info.sha, endpoint=endpoint()).removesuffix("/FILE")
     files = {}
     for s in info.siblings or ():
         digest = s.lfs.sha256 if s.lfs is not None else s.blob_id

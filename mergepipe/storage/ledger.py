@@ -11,7 +11,8 @@ from collections import defaultdict
 # upload: bytes published into an object-store output; compose: staged bytes read back there to
 # be sent again, where a multipart part would be under the store's minimum size. retry: ranges
 # asked for again after a transient failure of an object store or HTTP server (beside the
-# bytes their role counts once).
+# bytes their role counts once). cache: bytes of pinned Hub commits served by the local cache
+# (storage.cache) rather than the network (beside their role too).
 ROLES = (
     "header",
     "base",
@@ -24,6 +25,7 @@ ROLES = (
     "upload",
     "compose",
     "retry",
+    "cache",
 )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.storage import remote
+from mergepipe.storage import cache, remote
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, protocol
@@ -136,13 +136,7 @@ class RangeReader:
                 by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
         fetched: dict[int, list[Buffer]] = defaultdict(list)
         for items in by_protocol.values():
-
-            def retried(positions: list[int], items=items) -> None:  # sent again: counted apart
-                for i in positions:
-                    k, _, start, end = items[i]
-                    self.ledger.add("retry", requests[k].model, requests[k].file, end - start)
-
-            for (k, *_), data in zip(items, remote.fetch([(p, s, e) for _, p, s, e in items], retried)):
+            for (k, *_), data in zip(items, self._fetch(items, requests)):
                 fetched[k].append(data)
         out = []
         for k, req in enumerate(requests):
@@ -155,6 +149,37 @@ class RangeReader:
                 requests=sum(1 for s, e in req.ranges if e > s),
             )
             out.append(bufs)
+        return out
+
+    def _fetch(self, items: list[tuple[int, str, int, int]], requests: list[ReadRequest]) -> list[bytearray]:
+        """The remote ranges (request k, path, start, end), through the local cache of pinned
+        commits where there is one (storage.cache): only the parts it does not hold go over the
+        network, and what they bring is kept. Counted apart, beside their own role: the bytes
+        the cache served (`cache`), and the ranges asked for again after a failure (`retry`)."""
+        root = cache.cache_dir()
+        entries = {} if root is None else {p: cache.Entry(root, p) for _, p, _, _ in items if cache.cacheable(p)}
+        parts = [cache.missing(entries[p].held(), s, e) if p in entries else [(s, e)] for _, p, s, e in items]
+        wanted = [(p, a, b) for (_, p, _, _), ps in zip(items, parts) for a, b in ps]
+        owner = [requests[k] for (k, *_), ps in zip(items, parts) for _ in ps]
+
+        def retried(positions: list[int]) -> None:
+            for i in positions:
+                self.ledger.add("retry", owner[i].model, owner[i].file, wanted[i][2] - wanted[i][1])
+
+        got = iter(remote.fetch(wanted, retried))
+        out = []
+        for (k, p, s, e), ps in zip(items, parts):
+            new = [(a, next(got)) for a, _ in ps]
+            if p not in entries:
+                out.append(new[0][1])
+                continue
+            if new:
+                entries[p].add(new)
+            whole = len(new) == 1 and new[0][0] == s and len(new[0][1]) == e - s
+            out.append(new[0][1] if whole else bytearray(entries[p].read(s, e)))
+            served = (e - s) - sum(len(d) for _, d in new)
+            if served:
+                self.ledger.add("cache", requests[k].model, requests[k].file, served, requests=0)
         return out
 
     def prefetch(self, requests: list[ReadRequest]) -> None:
