@@ -135,13 +135,10 @@ def repo_of(location: str) -> str | None:
 
 def _known(uri: str) -> tuple[dict[str, FileFingerprint], str] | None:
     """The listed commit a URL lies in, and its name there."""
+    m = _COMMIT_URL.match(uri)
     with _lock:
-        for root, files in _commits.items():
-            if uri.startswith(root + "/"):
-                return files, uri[len(root) + 1 :]
-            if uri == root:
-                return files, ""
-    return None
+        files = _commits.get(m.group("root")) if m else None
+    return None if files is None else (files, uri[len(m.group("root")) + 1 :])
 
 
 def stat(uri: str) -> FileFingerprint | None | bool:
@@ -154,16 +151,15 @@ def stat(uri: str) -> FileFingerprint | None | bool:
     return files.get(name)
 
 
-def list_folder(uri: str, probe) -> list[str] | None:
-    """The files directly in a listed commit, or in an https:// folder those of `probe`'s
-    names that are there (asked for in parallel by `probe`'s callable: name -> bool)."""
+def list_folder(uri: str, names: tuple[str, ...], exists) -> list[str] | None:
+    """The files directly in a listed commit; in an https:// folder, those of `names` that
+    `exists` (name -> bool) finds there, asked for in parallel."""
     known = _known(uri)
     if known is not None:
         files, prefix = known
         prefix = prefix + "/" if prefix else ""
         names = [n[len(prefix) :] for n in files if n.startswith(prefix) and "/" not in n[len(prefix) :]]
         return sorted(names) or None
-    names, exists = probe
     with ThreadPoolExecutor(8) as pool:
         found = [n for n, there in zip(names, pool.map(exists, names)) if there]
     return sorted(found) or None

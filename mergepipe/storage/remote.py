@@ -225,7 +225,7 @@ def list_folder(uri: str, names: tuple[str, ...] = ()) -> list[str] | None:
     """Names of the objects directly under a prefix; None when nothing is there. An http(s)
     folder cannot be listed: those of `names` that are there (a pinned Hub commit is listed)."""
     if protocol(uri) in HTTP:
-        return hub.list_folder(uri, (names, lambda n: stat(f"{uri.rstrip('/')}/{n}") is not None))
+        return hub.list_folder(uri, names, lambda n: stat(f"{uri.rstrip('/')}/{n}") is not None)
     fs = filesystem(uri)
     path = fs_path(uri).rstrip("/")
 
