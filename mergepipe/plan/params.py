@@ -36,6 +36,7 @@ class _Settings(NamedTuple):
     expert_where: list[str]  # where each expert's block is, for messages: models[2], slices[1].sources[0]
     expert_models: list[str]
     base_where: str | None
+    base_model: str  # the base's location (in a slice: its source's)
     base_at: int  # the base's place among the inputs in mergekit's order: its entry, else last
 
     @classmethod
@@ -49,6 +50,7 @@ class _Settings(NamedTuple):
             [f"models[{i}]" for i, _ in experts],
             [entry.model for _, entry in experts],
             None if base is None else f"models[{spec.models.index(base)}]",
+            spec.base_model,
             len(experts) if base is None else spec.models.index(base),
         )
 
@@ -65,6 +67,7 @@ class _Settings(NamedTuple):
                     [f"slices[{i}].sources[{j}]" for j in roles.experts],
                     [sl.sources[j].model for j in roles.experts],
                     f"slices[{i}].sources[{roles.base}]",
+                    sl.sources[roles.base].model,
                     roles.base,
                 )
             )
@@ -123,7 +126,7 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
             if p.per_model and p.required and settings.base is not None and base_values[p.name] is None:
                 raise BadInput(
                     f"{settings.base_where}.parameters.{p.name}: required by merge_method {spec.merge_method!r}"
-                    f"{_where(tensor)} (the base, model {spec.base_model})"
+                    f"{_where(tensor)} (the base, model {settings.base_model})"
                 )
         if all(v is None for v in base_values.values()):
             base_values = None  # not listed and no global value: the base is not an input
@@ -175,8 +178,8 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     """Parameters for every tensor of the base, as a ParamTable (each distinct set once).
 
     Gradients run over the layers (of each slice, for `slices:`): t = layer / (layers - 1), 0
-    outside the layers. Asked again
-    for the same spec and names objects, it returns the same table."""
+    outside the layers. Asked again for the same spec and names objects, it returns the same
+    table."""
     global _last
     with _last_lock:
         if _last is not None and _last[0] is spec and _last[1] is tensor_names:
