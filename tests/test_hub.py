@@ -33,19 +33,14 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def hub(tmp_path_factory):
     server = HubServer()
-    saved = {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_TOKEN", "HF_HOME")}
-    os.environ["HF_ENDPOINT"] = server.endpoint
-    os.environ["HF_HOME"] = str(tmp_path_factory.mktemp("hf-home"))  # no saved login
-    os.environ.pop("HF_TOKEN", None)
-    try:
-        yield server
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.close()
+    with pytest.MonkeyPatch.context() as env:  # the module's environment, undone after it
+        env.setenv("HF_ENDPOINT", server.endpoint)
+        env.setenv("HF_HOME", str(tmp_path_factory.mktemp("hf-home")))  # no saved login
+        env.delenv("HF_TOKEN", raising=False)
+        try:
+            yield server
+        finally:
+            server.close()
 
 
 @pytest.fixture(scope="module")

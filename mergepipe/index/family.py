@@ -120,13 +120,15 @@ def view_of(view: ModelView, models: dict[str, ModelFiles], built: dict[tuple, L
     out = 0
     for piece in view.pieces:
         model = models[piece.model]
+        by_layer: dict[int, list[str]] = {}
+        for name in model.tensors:
+            by_layer.setdefault(layer_index(name), []).append(name)
         have = layer_count(model.tensors)
         if piece.end > have:
             raise BadInput(f"{model.uri}: layer_range [{piece.start}, {piece.end}) but the model has {have} layers")
         for j in range(piece.start, piece.end):
-            for name in model.tensors:
-                if layer_index(name) == j:
-                    take(model, name, with_layer(name, out))
+            for name in by_layer.get(j, ()):
+                take(model, name, with_layer(name, out))
             out += 1
     for name in post.tensors:
         if layer_index(name) is None and not before_layers(name):
