@@ -19,6 +19,10 @@ says so:
                    fills the cache, the merge reads from it
   cache_25%        then a 25% merge: only the ranges the cache lacks cross the wire
 
+With --read-ahead-pairs N, after hub_25% the indexed 10% and 25% merges run N more times each
+with reading ahead off (MERGEPIPE_READ_AHEAD=0, `…_no_read_ahead`) and on, alternately, in one
+process; with --no-download the download and cache runs are left out.
+
 The server runs in a process of its own (`python -m tests.hub_server`), so that it does not share
 an interpreter with the merge it serves.
 
@@ -51,6 +55,9 @@ def main() -> None:
     ap.add_argument("--intermediate", type=int, default=4096)
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--rate", type=float, default=100e6, help="link bandwidth, bytes per second")
+    ap.add_argument("--latency", type=float, default=0.0, help="seconds before each answer starts (a round trip)")
+    ap.add_argument("--read-ahead-pairs", type=int, default=0, help="indexed merges with read-ahead off and on")
+    ap.add_argument("--no-download", action="store_true", help="leave out the download and cache runs")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "hub-merge"))
     args = ap.parse_args()
@@ -76,7 +83,10 @@ def main() -> None:
 
     repos = [f"bench/base={fam.base}"] + [f"bench/e{i}={e}" for i, e in enumerate(fam.experts)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.hub_server", str(args.rate), *repos], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "tests.hub_server", f"{args.rate}:{args.latency}", *repos],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     endpoint = proc.stdout.readline().strip()
     os.environ["HF_ENDPOINT"] = endpoint
@@ -136,6 +146,19 @@ def main() -> None:
     run("hub_10%", lambda: hub_merge("10%", cat, "out-10"))
     run("hub_25%", lambda: hub_merge("25%", cat, "out-25"))
 
+    for i in range(args.read_ahead_pairs):
+        for budget in ("10%", "25%"):
+            os.environ["MERGEPIPE_READ_AHEAD"] = "0"
+            run(f"hub_{budget}_no_read_ahead", lambda: hub_merge(budget, cat, f"out-{budget}-off-{i}"))
+            os.environ.pop("MERGEPIPE_READ_AHEAD")
+            run(f"hub_{budget}", lambda: hub_merge(budget, cat, f"out-{budget}-on-{i}"))
+    if args.no_download:
+        proc.kill()
+        _save(args, expert_bytes, rows)
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+        return
+
     from huggingface_hub import snapshot_download
 
     local = work / "downloaded"
@@ -160,6 +183,19 @@ def main() -> None:
     run("cache_25%", lambda: hub_merge("25%", cat2, "out-cache-25"))
     os.environ.pop("MERGEPIPE_CACHE")
     proc.kill()
+    result = _save(args, expert_bytes, rows)
+    print(json.dumps({"same_digest_10%": result["same_digest_10%"]}))
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _save(args, expert_bytes: int, rows: list[dict]) -> dict:
+    """The results, in a file named by what differs from the default run."""
+    name = "hub_merge"
+    name += f"_{args.layers}_layers" if args.layers != 8 else ""
+    name += f"_{round(args.latency * 1000)}ms" if args.latency else ""
+    name += "_read_ahead" if args.no_download else ""
+    digests = {r["digest"] for r in rows if r["run"].endswith("10%") or "10%_" in r["run"]}
     result = {
         "family": {
             "layers": args.layers,
@@ -169,15 +205,14 @@ def main() -> None:
             "expert_file_bytes": expert_bytes,
         },
         "rate_bytes_per_s": args.rate,
+        "latency_s": args.latency,
         "rows": rows,
-        "same_digest_10%": rows[1]["digest"] == rows[4]["digest"] == rows[0]["digest"],
+        "same_digest_10%": len(digests) == 1,
     }
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "hub_merge.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({"same_digest_10%": result["same_digest_10%"]}))
-    if not args.work:
-        shutil.rmtree(work, ignore_errors=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
 
 
 if __name__ == "__main__":

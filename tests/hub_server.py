@@ -43,15 +43,35 @@ class Sent:
     range: str | None
 
 
+_HASHES: dict[tuple[int, str], tuple[bytes, str]] = {}  # (id of a file's bytes, algorithm) -> (the bytes, digest)
+_HASHES_LOCK = threading.Lock()
+
+
+def _hash(data: bytes, algorithm: str) -> str:
+    """A published file's digest, computed once: a Hub serves its stored hashes, and hashing a
+    large shard on every request would make the server, not the link, the bound."""
+    key = (id(data), algorithm)
+    with _HASHES_LOCK:
+        held = _HASHES.get(key)
+    if held is not None and held[0] is data:
+        return held[1]
+    digest = hashlib.new(algorithm, data).hexdigest()
+    with _HASHES_LOCK:
+        _HASHES[key] = (data, digest)  # holding the bytes keeps their id from being reused
+    return digest
+
+
 def _etag(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return _hash(data, "sha256")
 
 
 class HubServer:
-    def __init__(self, rate: float | None = None) -> None:
+    def __init__(self, rate: float | None = None, latency: float = 0.0) -> None:
         """rate: the link's bandwidth in bytes per second, shared by every connection (None:
-        as fast as loopback goes)."""
+        as fast as loopback goes). latency: seconds before each answer starts (a round trip to
+        a distant server; each request waits it, whatever else is in flight)."""
         self.rate = rate
+        self.latency = latency
         self._tokens, self._at = float(BURST), time.monotonic()  # the capped link's token bucket
         self.repos: dict[str, Repo] = {}
         self.log: list[Sent] = []
@@ -115,6 +135,8 @@ class HubServer:
             self.log.append(Sent(h.command, urlsplit(h.path).path, status, body, h.headers.get("Range")))
 
     def _reply(self, h, status: int, body: bytes = b"", headers: dict | None = None, head: bool = False) -> None:
+        if self.latency:
+            time.sleep(self.latency)
         h.send_response(status)
         for k, v in (headers or {}).items():
             h.send_header(k, v)
@@ -180,7 +202,7 @@ class HubServer:
             return self._error(h, 404, "RevisionNotFound", head)
         siblings = []
         for name, data in repo.commits[sha].items():
-            entry = {"rfilename": name, "size": len(data), "blobId": hashlib.sha1(data).hexdigest()}
+            entry = {"rfilename": name, "size": len(data), "blobId": _hash(data, "sha1")}
             if name.endswith(".safetensors"):
                 entry["lfs"] = {"size": len(data), "sha256": _etag(data), "pointerSize": 134}
             siblings.append(entry)
@@ -202,7 +224,7 @@ class HubServer:
         data = repo.commits.get(sha, {}).get(name) if sha else None
         if data is None:
             return self._error(h, 404, "EntryNotFound", head)
-        etag = _etag(data) if name.endswith(".safetensors") else hashlib.sha1(data).hexdigest()
+        etag = _etag(data) if name.endswith(".safetensors") else _hash(data, "sha1")
         headers = {"ETag": f'"{etag}"', "X-Repo-Commit": sha, "Accept-Ranges": "bytes"}
         start, end = 0, len(data)
         status = 200
@@ -253,12 +275,13 @@ class HubServer:
 def main() -> None:
     """Serve model folders as Hub repositories from a process of its own (so that the server
     does not share an interpreter with the client it measures): `python -m tests.hub_server
-    RATE REPO=FOLDER ...`; prints the endpoint, then serves until killed. GET /_log returns the
-    [path, body bytes] of each request since the last call, and forgets them."""
+    RATE[:LATENCY] REPO=FOLDER ...` (bytes per second, 0 for no cap; seconds before each
+    answer); prints the endpoint, then serves until killed. GET /_log returns the [path, body
+    bytes] of each request since the last call, and forgets them."""
     import sys
 
-    rate = float(sys.argv[1]) or None
-    server = HubServer(rate=rate)
+    rate, _, latency = sys.argv[1].partition(":")
+    server = HubServer(rate=float(rate) or None, latency=float(latency or 0))
     for arg in sys.argv[2:]:
         repo, folder = arg.split("=", 1)
         server.publish(repo, Path(folder))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,12 +17,16 @@ from typer.testing import CliRunner
 from mergepipe.cli import app
 from mergepipe.devtools.synthetic import make_family
 from mergepipe.errors import BadInput
+from mergepipe.execute import memory, streamed, windowed
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
+from mergepipe.operators import slabs
+from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.model_files import MANIFEST_FILE
+from mergepipe.storage.reader import RangeReader, ReadRequest
 
-from .helpers import assert_bit_identical
+from .helpers import assert_bit_identical, saved_plan
 from .hub_server import TOKEN, HubServer
 from .reference import load_model
 
@@ -345,3 +350,94 @@ def test_a_cache_fetches_only_the_ranges_it_has_not_read(hub, family, local_refe
         os.environ.pop("MERGEPIPE_CACHE", None)
     assert r.exit_code == 0, r.output
     assert list((tmp_path / "cli-cache").rglob("*.ranges"))
+
+
+def _mirror_requests(hub, family, n: int, length: int):
+    """n requests of `length` bytes each, 4 KiB apart, from an expert's first shard served as an
+    https:// folder, with the bytes they should give."""
+    shard = sorted(family.experts[0].glob("*.safetensors"))[0]
+    url = f"{hub.endpoint}/mirror/org/e0/{shard.name}"
+    data = shard.read_bytes()
+    requests = [ReadRequest(url, [(i * 4096, i * 4096 + length)], "expert", "expert-0", shard.name) for i in range(n)]
+    return requests, [data[i * 4096 : i * 4096 + length] for i in range(n)], rf"^/mirror/org/e0/{shard.name}$"
+
+
+def test_ranges_read_ahead_are_fetched_once(hub, family):
+    """Ranges read ahead and then read: the same bytes, each range sent once by the server, and
+    the ledger counting them in their role; a range read before it was read ahead is not
+    fetched again."""
+    requests, expected, path = _mirror_requests(hub, family, 6, 3000)
+    hub.reset_log()
+    ledger = ByteLedger()
+    with RangeReader(ledger, read_ahead=3 * 3000) as reader:
+        reader.read_ahead(requests[1:])
+        got = [reader.read_batch([r])[0][0] for r in requests]
+        reader.read_ahead(requests[:1])  # read already: not fetched again
+    assert [bytes(g) for g in got] == expected
+    assert hub.wire_bytes(path) == 6 * 3000
+    assert ledger.by_role()["expert"] == 6 * 3000 and ledger.by_role()["reread"] == 0
+
+
+def test_reading_ahead_holds_at_most_its_bound(hub, family):
+    """Nothing read: the reader fetches ahead what fits its bound and no more, and counts what
+    it fetched and never used (as `reread`) when it closes, as the server counted it."""
+    requests, _, path = _mirror_requests(hub, family, 6, 3000)
+    hub.reset_log()
+    ledger = ByteLedger()
+    with RangeReader(ledger, read_ahead=3 * 3000 + 2999) as reader:
+        reader.read_ahead(requests)
+    assert hub.wire_bytes(path) == 3 * 3000
+    assert ledger.by_role()["reread"] == 3 * 3000 and ledger.by_role()["expert"] == 0
+
+
+@pytest.mark.parametrize("method", ["task_arithmetic", "ties"])
+def test_tensors_merged_in_parts_read_ahead_exactly_their_reads(hub, family, tmp_path, monkeypatch, method):
+    """Under a small memory budget tensors are merged in runs (task arithmetic) or in passes over
+    windows of rows (TIES), their remote ranges read ahead: the digest of the whole-tensor merge,
+    and the server sends exactly what the ledger counts (headers aside)."""
+    catalog = str(tmp_path / "catalog.duckdb")
+    extra = {"parameters": {"density": 0.5}} if method == "ties" else {}
+    cfg = _hub_config(tmp_path, merge_method=method, **extra)
+    whole = merge(config=str(cfg), out=str(tmp_path / "whole"), budget="30%", catalog=catalog)
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(memory, "MIN_SLAB_ELEMENTS", 64)
+    monkeypatch.setattr(slabs, "SLAB_ELEMENTS", 256)
+    needs = memory.tensor_needs(*saved_plan(whole, catalog))
+    share = max(3 * max(n.least for n in needs), max(n.whole for n in needs) // 2)
+    forms = []
+    real_streamed, real_windowed = streamed.merge_streamed, windowed.merge_windowed
+
+    def spied(form, real):
+        def spy(g, reads):
+            forms.append(form)
+            return real(g, reads)
+
+        return spy
+
+    monkeypatch.setattr(streamed, "merge_streamed", spied("streamed", real_streamed))
+    monkeypatch.setattr(windowed, "merge_windowed", spied("windowed", real_windowed))
+    fetched_ahead = []
+    real_fetch = RangeReader._fetch_requests
+
+    def fetch(reader, requests):
+        if threading.current_thread().name.startswith("read-ahead"):
+            fetched_ahead.extend(requests)
+        return real_fetch(reader, requests)
+
+    monkeypatch.setattr(RangeReader, "_fetch_requests", fetch)
+    hub.reset_log()
+    parts = merge(config=str(cfg), out=str(tmp_path / "parts"), budget="30%", catalog=catalog, memory=str(2 * share))
+    assert parts["digest"] == whole["digest"]
+    assert forms and set(forms) == {"streamed" if method == "task_arithmetic" else "windowed"}
+    assert parts["memory"]["read_ahead_bytes"] > 0
+    # Runs and windows were fetched ahead, and with TIES windows read again in a later pass too.
+    assert {r.role for r in fetched_ahead} == {"base", "expert"}
+    again = len(fetched_ahead) - len({r.key for r in fetched_ahead})
+    assert again > 0 if method == "ties" else again == 0
+    files = [p for m in (family.base, *family.experts) for p in sorted(m.glob("*.safetensors"))]
+    headers = sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in files)
+    read = parts["bytes"]
+    assert (
+        hub.wire_bytes(r"^/org/.*/resolve/.*\.safetensors$") == headers + read["base"] + read["expert"] + read["reread"]
+    )
+    assert parts["expert_bytes_read"] == whole["expert_bytes_read"]

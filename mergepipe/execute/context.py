@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import NamedTuple
 
 from mergepipe import torch
-from mergepipe.execute.memory import Form, MemoryPlan, TensorNeed, merge_form, tensor_need
+from mergepipe.execute.memory import Form, MemoryPlan, TensorNeed, merge_form, read_ahead, tensor_need
 from mergepipe.index.blocks import block_rows, byte_range
 from mergepipe.operators import TensorContext, get_operator
 from mergepipe.operators.rows import ExpertRows
@@ -59,7 +59,8 @@ class GroupContext:
         self.one_layout = all(m.layout is self.base.layout for m in self.experts)
         # bytes this group's merge may hold (execute.memory); None: every tensor merged whole
         self.per_group = memory.per_group if memory is not None else None
-        self.reader: RangeReader = RangeReader(ledger)
+        ahead = memory.read_ahead if memory is not None else read_ahead(plan)
+        self.reader: RangeReader = RangeReader(ledger, ahead)
         self.op = get_operator(plan.merge_method)
         self.params = plan.param_table()
         self.seed = plan.seed

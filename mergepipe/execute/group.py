@@ -18,6 +18,7 @@ from mergepipe.operators.ranges import coalesce
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.reader import ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES
 from mergepipe.storage.staging import OutputWriter, Staging
 
@@ -85,15 +86,22 @@ class GroupMerger:
             self.tap = StatsTap(g.plan.inputs, [k + 1 for k in self.index], g.plan.block_size, names)
             g.reader = TappedReader(g.reader, self.tap)
         reads = self._reads(names)
-        # The kernel reads the next tensors' ranges while these merge: one thread asks for them
-        # (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors (or batches) ahead. A tensor
-        # merged in passes over windows asks for its next window itself.
+        # The kernel reads the next tensors' local ranges while these merge: one thread asks for
+        # them (POSIX_FADV_WILLNEED), at most PREFETCH_TENSORS tensors (or batches) ahead. A
+        # tensor merged in passes over windows asks for its next window itself.
         units = [b if len(b) > 1 else [_alone(g, b[0])] for b in batched.batches(g, reads)]
         planned = [batched.batch_reads(g, b) if len(b) > 1 else None for b in units]
-        ahead = [
-            p.requests if p else [] if g.form(b[0].name) is Form.WINDOWED else b[0].all_requests()
-            for b, p in zip(units, planned)
-        ]
+        ahead = [p.requests if p else self._ahead(b[0]) for b, p in zip(units, planned)]
+        windowed_at = [p is None and g.form(b[0].name) is Form.WINDOWED for b, p in zip(units, planned)]
+
+        def read_ahead_from(i: int) -> None:
+            """Remote ranges are fetched ahead in the order the merge reads them, as far ahead as
+            the reader's bound allows, up to a tensor merged in passes over windows: that one
+            reads its next window ahead itself, with the bound to itself."""
+            stop = windowed_at.index(True, i) if True in windowed_at[i:] else len(units)
+            g.reader.read_ahead([r for requests in ahead[i:stop] for r in requests])
+
+        read_ahead_from(0)
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
             try:
                 for requests in ahead[:PREFETCH_TENSORS]:
@@ -106,6 +114,8 @@ class GroupMerger:
                     else:
                         self._merge_tensor(unit[0])
                     g.reader.release()  # its bytes are written: what it read goes back to the pool
+                    if windowed_at[i]:
+                        read_ahead_from(i + 1)
                 if self.tap is not None:
                     self.index_result = self.tap.finish(g.reader, names)
             finally:
@@ -129,6 +139,16 @@ class GroupMerger:
             runs = {k: r if len(r) == 1 else coalesce(r) for k, r in sorted(planned.items())} if planned else {}
             out.append(TensorReads(name, None, runs, {}))
         return out
+
+    def _ahead(self, reads: TensorReads) -> list[ReadRequest]:
+        """The reads of a tensor merged alone, in order, as they are asked to be read ahead (or
+        prefetched): a tensor merged in passes over windows asks for its next window itself."""
+        form = self.g.form(reads.name)
+        if form is Form.WINDOWED:
+            return []
+        if form is Form.STREAMED:
+            return [r for run in streamed.runs_of(self.g, reads) for r in run.requests]
+        return reads.all_requests()
 
     def _merge_tensor(self, reads: TensorReads) -> None:
         form = self.g.form(reads.name)

@@ -35,6 +35,9 @@ PROCESS_BYTES = 768 << 20
 # The part of the budget a merge that indexes on the way (index.tap) leaves to the statistics:
 # measured beside the layer groups, not counted per element (docs/benchmarks.md, first merges).
 INDEXING_SHARE = 0.125
+# The most of a group's share that remote ranges fetched ahead of its merge may hold (the rest
+# is the merge's): a tight budget keeps tensors whole rather than reading far ahead.
+READ_AHEAD_SHARE = 0.25
 # The smallest run of elements a streamed tensor is merged in: below it, per-run overheads
 # (a read per expert, a write) dominate.
 MIN_SLAB_ELEMENTS = 1 << 16
@@ -88,6 +91,7 @@ class MemoryPlan:
     largest: TensorNeed | None  # the tensor that needs the most when merged as it will be
     warning: str | None = None  # the prediction exceeds a budget that was not given explicitly
     reread_max: int = 0  # the most bytes read again by merges in passes over windows
+    read_ahead: int = 0  # bytes of remote ranges one group fetches ahead and holds (read_ahead)
 
     def as_json(self) -> dict:
         return {
@@ -98,6 +102,7 @@ class MemoryPlan:
             "largest_tensor": self.largest.name if self.largest else None,
             "warning": self.warning,
             "reread_bytes_max": self.reread_max,
+            "read_ahead_bytes": self.read_ahead,
         }
 
 
@@ -198,6 +203,13 @@ def output_buffer(out: str | None) -> int:
     return 2 * remote.write_part_size() if out is not None and is_remote(out) else 0
 
 
+def read_ahead(plan: Plan) -> int:
+    """What a group holds of remote ranges fetched ahead of its merge (storage.reader's
+    read_ahead): the configured bound where any input is remote, else nothing."""
+    remote_inputs = any(is_remote(m.root) or any(is_remote(f) for f in m.files) for m in plan.inputs)
+    return remote.read_ahead_bytes() if remote_inputs else 0
+
+
 def plan_memory(
     plan: Plan,
     layout: OutputLayout,
@@ -212,11 +224,14 @@ def plan_memory(
     the config, a deployment parameter), a warning when it is the default (the prediction is
     an estimate, and a merge that fits today is not refused on it). With `indexing` (a first
     merge that indexes on the way) the groups share the budget less INDEXING_SHARE of it.
-    `out_buffer`: what each group holds to write its output (output_buffer)."""
+    `out_buffer`: what each group holds to write its output (output_buffer). A group reading
+    remote inputs also holds what it fetches ahead (read_ahead): at most READ_AHEAD_SHARE of its
+    share, and never so much that a merge which fits without it would not."""
     usable = budget - int(budget * INDEXING_SHARE) if indexing else budget
     needs = tensor_needs(plan, layout)
+    wanted_ahead = read_ahead(plan)
     if not needs:
-        return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None)
+        return MemoryPlan(budget, 1, budget, PROCESS_BYTES, None, read_ahead=wanted_ahead)
     hardest = max(needs, key=lambda n: n.least)
     warning = None
     if PROCESS_BYTES + out_buffer + hardest.least > usable:
@@ -231,7 +246,9 @@ def plan_memory(
         warning = f"{problem} (the default budget, half of this machine's memory; the merge goes ahead)"
     workers = max(1, min(workers, len(layout.groups)))
     while True:
-        per_group = (usable - PROCESS_BYTES) // workers - out_buffer
+        share = (usable - PROCESS_BYTES) // workers - out_buffer
+        ahead = max(0, min(wanted_ahead, int(share * READ_AHEAD_SHARE), share - hardest.least))
+        per_group = share - ahead
         if workers == 1 or all(n.parts or n.whole <= per_group for n in needs):
             break
         workers -= 1
@@ -241,8 +258,8 @@ def plan_memory(
     peaks = sorted(by_group.values(), reverse=True)[:workers]
     largest = max(needs, key=lambda n: held(n, per_group))
     reread = sum(reread_bytes(n, per_group) for n in needs)
-    peak = PROCESS_BYTES + sum(peaks) + len(peaks) * out_buffer + budget - usable
-    return MemoryPlan(budget, workers, max(0, per_group), peak, largest, warning, reread)
+    peak = PROCESS_BYTES + sum(peaks) + len(peaks) * (out_buffer + ahead) + budget - usable
+    return MemoryPlan(budget, workers, max(0, per_group), peak, largest, warning, reread, ahead)
 
 
 def _gib(n: int, up: bool = False) -> str:

@@ -7,7 +7,7 @@ output. Also the elementwise step both this form and a batch of small tensors ta
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
@@ -27,25 +27,30 @@ from mergepipe.storage.safetensors_format import DTYPES, decode, encode
 ELEMENT_STEP = 1 << 16
 
 
-def merge_streamed(g: GroupContext, reads: TensorReads) -> None:
-    """Merge a large tensor a run of elements at a time (execute.memory.slab_elements of them):
-    the base's elements of the run, each expert's planned elements within it, merged and written
-    at the run's place in the output. Each element goes through the same operations as in the
-    whole-tensor merge, so the bytes are the same."""
+class Run(NamedTuple):
+    """One run of a streamed tensor: its elements [e0, e1), each expert's planned elements
+    within it, and its reads (the base's, then each of those experts')."""
+
+    e0: int
+    e1: int
+    pieces: dict[int, list[tuple[int, int]]]
+    requests: list[ReadRequest]
+
+
+def runs_of(g: GroupContext, reads: TensorReads) -> list[Run]:
+    """The runs a streamed tensor is merged in (execute.memory.slab_elements elements each), in
+    order, with their reads."""
     name = reads.name
     t = g.base.tensors[name]
     itemsize = DTYPES[t.dtype].itemsize
     slab = slab_elements(g.need(name), g.per_group)
     n_rows = t.shape[0] if t.shape else 1
     width = math.prod(t.shape[1:])
-    params = g.params.for_tensor(name)
-    plain = g.plain(t.dtype)
     planned = {k: [(r0 * width, r1 * width) for r0, r1 in rr] for k, rr in reads.runs.items()}
+    out = []
     for e0, e1 in element_runs(n_rows, width, slab):
-        view = width if width <= e1 - e0 else e1 - e0  # whole rows, or a piece of one row
-        base = g.base_request(name, [(t.start + e0 * itemsize, t.start + e1 * itemsize)])
         pieces: dict[int, list[tuple[int, int]]] = {}
-        requests = []
+        requests = [g.base_request(name, [(t.start + e0 * itemsize, t.start + e1 * itemsize)])]
         for k, runs in planned.items():
             inside = [(max(a, e0), min(b, e1)) for a, b in runs if a < e1 and b > e0]
             if inside:
@@ -61,7 +66,23 @@ def merge_streamed(g: GroupContext, reads: TensorReads) -> None:
                         x.file,
                     )
                 )
-        (raw,), *expert_raws = g.reader.read_batch([base, *requests])
+        out.append(Run(e0, e1, pieces, requests))
+    return out
+
+
+def merge_streamed(g: GroupContext, reads: TensorReads) -> None:
+    """Merge a large tensor a run of elements at a time (runs_of): the base's elements of the
+    run, each expert's planned elements within it, merged and written at the run's place in the
+    output. Each element goes through the same operations as in the whole-tensor merge, so the
+    bytes are the same."""
+    name = reads.name
+    t = g.base.tensors[name]
+    width = math.prod(t.shape[1:])
+    params = g.params.for_tensor(name)
+    plain = g.plain(t.dtype)
+    for e0, e1, pieces, requests in runs_of(g, reads):
+        view = width if width <= e1 - e0 else e1 - e0  # whole rows, or a piece of one row
+        (raw,), *expert_raws = g.reader.read_batch(requests)
         values = {
             k: [
                 decode(r, g.expert_tensor(k, name).dtype, ((b - a) // view, view)) for (a, b), r in zip(pieces[k], raws)

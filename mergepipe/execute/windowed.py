@@ -90,8 +90,14 @@ class StoredWindows:
         missing = [key for key in wanted if (w, key) not in self._kept]
         got, raws = self._read(w, missing)
         got = dict(zip(missing, got))
-        if w + 1 < len(self.rows):  # the kernel reads the next window while this one is used
-            self.reader.prefetch([self._request(w + 1, key, True) for key in wanted if key == BASE or key in self.runs])
+        if w + 1 < len(self.rows):  # the next window is read ahead while this one is used
+            ahead = [
+                self._request(w + 1, key, True)
+                for key in wanted
+                if (key == BASE or key in self.runs) and (w + 1, key) not in self._kept
+            ]
+            self.reader.prefetch(ahead)
+            self.reader.read_ahead(ahead, first=True)
         for key, value in got.items():
             size = _nbytes(value)
             if size <= self._keep_left:

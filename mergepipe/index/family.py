@@ -10,7 +10,7 @@ from mergepipe.config.views import InputViews, ModelView
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import before_layers, layer_count, layer_index, with_layer
 from mergepipe.storage.canonical import digest_of
-from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, read_model
+from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, read_models
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES
 
@@ -85,12 +85,12 @@ def load_views(views: InputViews, reader: RangeReader) -> Family:
     """The family of a merge's inputs: each model's headers read once (never tensor data), each
     view built from them, and the whole checked before anything else runs."""
     layouts: Layouts = {}  # headers the family's models share are parsed once, into one Layout
-    models: dict[str, ModelFiles] = {}
     labels = ["base"] + [expert_label(i) for i in range(len(views.experts))]
+    wanted: dict[str, str] = {}  # each model once, labelled by the first view that reads it
     for view, label in zip(views.all, labels):
         for uri in view.models:
-            if uri not in models:
-                models[uri] = read_model(uri, reader, label, layouts)
+            wanted.setdefault(uri, label)
+    models = dict(zip(wanted, read_models(list(wanted.items()), reader, layouts)))
     built: dict[tuple, Layout] = {}
     base, *experts = (view_of(v, models, built) for v in views.all)
     validate_family(base, experts)

@@ -124,6 +124,9 @@ class TappedReader:
     def prefetch(self, requests: list[ReadRequest]) -> None:
         self.reader.prefetch(requests)
 
+    def read_ahead(self, requests: list[ReadRequest]) -> None:
+        self.reader.read_ahead(requests)
+
     def release(self, buffers=None) -> None:
         self.reader.release(buffers)
 

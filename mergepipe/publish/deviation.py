@@ -10,7 +10,7 @@ from mergepipe import torch
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range
 from mergepipe.storage.location import join
-from mergepipe.storage.model_files import ModelFiles, read_model
+from mergepipe.storage.model_files import ModelFiles, read_models
 from mergepipe.storage.reader import RangeReader
 from mergepipe.storage.safetensors_format import DTYPES, decode
 
@@ -36,9 +36,7 @@ def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:
     """Frobenius distance of `merged` from `full` over the floating-point tensors, and the two
     ratios. The three models must share tensor names and shapes."""
     with RangeReader() as reader:
-        merged, full, base = (
-            read_model(u, reader, r) for u, r in ((merged_uri, "merged"), (full_uri, "full"), (base_uri, "base"))
-        )
+        merged, full, base = read_models([(merged_uri, "merged"), (full_uri, "full"), (base_uri, "base")], reader)
         diff_sq, full_sq, delta_sq = [], [], []
         for name in sorted(full.tensors):
             if not DTYPES[full.tensors[name].dtype].is_float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mergepipe.errors import BadInput
@@ -11,10 +12,12 @@ from mergepipe.storage import remote
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.hub import is_hub
 from mergepipe.storage.location import is_remote, join, normalize, split
-from mergepipe.storage.reader import RangeReader, fingerprint, list_folder, read_small_file, stat
+from mergepipe.storage.reader import RangeReader, ReadRequest, fingerprint, list_folder, read_small_file, stat
 from mergepipe.storage.safetensors_format import TensorPlace, header_length, parse_header
 
 INDEX_FILE = "model.safetensors.index.json"
+# Models whose files are found and headers read at once (read_models).
+MODELS_AT_ONCE = 8
 SINGLE_FILE = "model.safetensors"
 # What mergepipe adds to an output folder.
 MANIFEST_FILE = "mergepipe-manifest.json"
@@ -132,19 +135,42 @@ def read_model(uri: str, reader: RangeReader, label: str, layouts: Layouts | Non
     `layouts`: the family's, kept by the caller across its models. A model whose shards have
     another's names, sizes and header bytes takes that one's checked Layout instead of parsing
     the same headers again."""
-    model, weight_map = discover(uri)
+    return read_models([(uri, label)], reader, layouts)[0]
+
+
+def read_models(wanted: list[tuple[str, str]], reader: RangeReader, layouts: Layouts | None = None) -> list[ModelFiles]:
+    """read_model of each (uri, label), the models' files found and their headers read at once:
+    for remote models those are round trips, which then overlap. Layouts are shared as in
+    read_model, in the order given; a failure is that of the first model that fails."""
     layouts = {} if layouts is None else layouts
-    key = []
-    for shard in model.shards:
-        path = model.path(shard)
-        fp = fingerprint(path)
-        model.fingerprints[shard] = fp
-        prefix = reader.read(path, 0, min(8, fp.size), role="header", model=label, file=shard)
-        n = header_length(bytes(prefix), fp.size, path)
-        raw = bytes(reader.read(path, 8, 8 + n, role="header", model=label, file=shard))
-        model.header_bytes[shard] = bytes(prefix) + raw
-        key.append((shard, fp.size, raw))
-    key = tuple(key)
+    with ThreadPoolExecutor(max_workers=max(1, min(MODELS_AT_ONCE, len(wanted))), thread_name_prefix="headers") as pool:
+        read = list(pool.map(lambda w: _read_headers(w[0], reader, w[1]), wanted))
+    return [_with_layout(model, weight_map, key, layouts) for model, weight_map, key in read]
+
+
+def _read_headers(uri: str, reader: RangeReader, label: str) -> tuple[ModelFiles, dict[str, str] | None, tuple]:
+    """The model's files, fingerprints and raw headers: every shard's 8-byte length in one
+    batch of reads, then every header in another."""
+    model, weight_map = discover(uri)
+    paths = [model.path(shard) for shard in model.shards]
+    for shard, path in zip(model.shards, paths):
+        model.fingerprints[shard] = fingerprint(path)
+    sizes = [model.fingerprints[shard].size for shard in model.shards]
+
+    def requests(ranges: list[tuple[int, int]]) -> list[ReadRequest]:
+        return [ReadRequest(p, [r], "header", label, s) for p, r, s in zip(paths, ranges, model.shards)]
+
+    prefixes = [bytes(b[0]) for b in reader.read_batch(requests([(0, min(8, size)) for size in sizes]))]
+    lengths = [header_length(prefix, size, path) for prefix, size, path in zip(prefixes, sizes, paths)]
+    raws = [bytes(b[0]) for b in reader.read_batch(requests([(8, 8 + n) for n in lengths]))]
+    for shard, prefix, raw in zip(model.shards, prefixes, raws):
+        model.header_bytes[shard] = prefix + raw
+    return model, weight_map, tuple(zip(model.shards, sizes, raws))
+
+
+def _with_layout(model: ModelFiles, weight_map: dict[str, str] | None, key: tuple, layouts: Layouts) -> ModelFiles:
+    """The model with its Layout (a checked one of the same headers where there is one), and its
+    index's weight_map checked against it."""
     if key not in layouts:
         layouts[key] = _layout(model, key)
     model.layout = layouts[key]

@@ -5,8 +5,9 @@ posix_fadvise(POSIX_FADV_RANDOM): mmap page faults and sequential read() calls l
 read-ahead pull in megabytes nobody planned. Reading ahead is asked for
 explicitly instead (prefetch: POSIX_FADV_WILLNEED on exactly the planned ranges). Ranges of a
 megabyte or more bypass the page cache (O_DIRECT, rounded out to pages: DIRECT_MIN_BYTES).
-Remote objects are read with one ranged GET per range (storage.remote); all count into the same
-ledger, which counts the bytes asked for.
+Remote objects are read with one ranged GET per range (storage.remote), and fetched ahead of
+the reads that want them (read_ahead), within a bound on the bytes held so. All count into the
+same ledger, which counts the bytes asked for.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from mergepipe.errors import BadInput, MergepipeError
@@ -36,6 +38,15 @@ class ReadRequest:
     role: str
     model: str
     file: str
+
+    @property
+    def key(self) -> tuple:
+        """What a read ahead is matched by: the same bytes of the same file, whatever role."""
+        return (self.path, tuple(self.ranges))
+
+    @property
+    def size(self) -> int:
+        return sum(e - s for s, e in self.ranges if e > s)
 
 
 def stat(uri: str) -> FileFingerprint | None:
@@ -79,14 +90,29 @@ def read_small_file(uri: str) -> bytes:
         raise BadInput(f"{uri}: file not found") from None
 
 
+# Batches of remote reads fetched ahead at once by one reader (each with its ranges in flight
+# together): enough to keep a link busy while one batch waits on its slowest range.
+AHEAD_BATCHES = 4
+
+
 class RangeReader:
     """Reads byte ranges of files and records them in a ledger. Safe to share across threads.
 
     Ranges read with O_DIRECT come back as views of mappings lent by DIRECT_BUFFERS: the reader
-    holds them until release() (or close) says their views are no longer used."""
+    holds them until release() (or close) says their views are no longer used.
 
-    def __init__(self, ledger: ByteLedger | None = None) -> None:
+    Remote requests given to read_ahead are fetched in the background, in the order given, while
+    the bytes fetched and not yet read stay within `read_ahead` bytes; a read_batch of the very
+    same request takes them instead of fetching."""
+
+    def __init__(self, ledger: ByteLedger | None = None, read_ahead: int = 0) -> None:
         self.ledger = ledger if ledger is not None else ByteLedger()
+        self._ahead_limit = read_ahead
+        self._ahead_held = 0  # bytes of the requests fetched ahead (or being fetched), not read yet
+        self._ahead_queue: deque[ReadRequest] = deque()  # given to read_ahead, not fetched yet
+        self._ahead: dict[tuple, tuple[Future, int, ReadRequest]] = {}  # key -> (its batch, position)
+        self._taken: set[tuple] = set()  # keys read without a read ahead: never fetched ahead after
+        self._ahead_pool: ThreadPoolExecutor | None = None
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -129,15 +155,28 @@ class RangeReader:
         return self.read_batch([ReadRequest(path, ranges, role, model, file)])[0]
 
     def read_batch(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
-        """Every request's ranges; remote ones are fetched together, concurrently."""
-        by_protocol: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
-        for k, req in enumerate(requests):
-            if is_remote(req.path):
-                by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
-        fetched: dict[int, list[Buffer]] = defaultdict(list)
-        for items in by_protocol.values():
-            for (k, *_), data in zip(items, self._fetch(items, requests)):
-                fetched[k].append(data)
+        """Every request's ranges; remote ones are fetched together, concurrently, or taken from
+        what read_ahead fetched."""
+        ahead: dict[int, tuple[Future, int, ReadRequest]] = {}
+        with self._lock:
+            for k, req in enumerate(requests):
+                if is_remote(req.path):
+                    got = self._ahead.pop(req.key, None)
+                    if got is not None:
+                        ahead[k] = got
+                    else:
+                        self._taken.add(req.key)
+        now = [k for k, req in enumerate(requests) if is_remote(req.path) and k not in ahead]
+        fetched: dict[int, list[Buffer]] = dict(zip(now, self._fetch_requests([requests[k] for k in now])))
+        try:
+            for k, (batch, i, req) in ahead.items():
+                got = batch.result()
+                fetched[k], got[i] = got[i], None  # the batch no longer holds its buffers
+        finally:
+            if ahead:
+                with self._lock:
+                    self._ahead_held -= sum(req.size for _, _, req in ahead.values())
+                    self._pump()
         out = []
         for k, req in enumerate(requests):
             bufs = fetched[k] if is_remote(req.path) else self._pread_all(req.path, req.ranges)
@@ -150,6 +189,54 @@ class RangeReader:
             )
             out.append(bufs)
         return out
+
+    def _fetch_requests(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
+        """The ranges of these remote requests, fetched concurrently (per protocol)."""
+        by_protocol: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
+        for k, req in enumerate(requests):
+            by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
+        fetched: list[list[bytearray]] = [[] for _ in requests]
+        for items in by_protocol.values():
+            for (k, *_), data in zip(items, self._fetch(items, requests)):
+                fetched[k].append(data)
+        return fetched
+
+    def read_ahead(self, requests: list[ReadRequest], first: bool = False) -> None:
+        """Fetch these remote requests in the background, in this order, ahead of the reads that
+        will ask for them, while what is fetched and not yet read fits the reader's bound; with
+        `first`, before those given earlier (they are the very next reads). Local requests are
+        left to prefetch. Counted when read (or, never read, as `reread` at close)."""
+        with self._lock:
+            if not self._open or self._ahead_limit <= 0:
+                return
+            remote_requests = [r for r in requests if is_remote(r.path) and r.size]
+            if first:
+                self._ahead_queue.extendleft(reversed(remote_requests))
+            else:
+                self._ahead_queue.extend(remote_requests)
+            self._pump()
+
+    def _pump(self) -> None:
+        """Under the lock: start fetching the queued requests that fit the bound, as one batch.
+        One larger than the whole bound is never fetched ahead (its read fetches it)."""
+        batch: dict[tuple, ReadRequest] = {}
+        while self._ahead_queue:
+            req = self._ahead_queue[0]
+            if req.key in self._ahead or req.key in self._taken or req.key in batch or req.size > self._ahead_limit:
+                self._ahead_queue.popleft()
+                continue
+            if self._ahead_held + req.size > self._ahead_limit:
+                break
+            self._ahead_queue.popleft()
+            self._ahead_held += req.size
+            batch[req.key] = req
+        if not batch:
+            return
+        if self._ahead_pool is None:
+            self._ahead_pool = ThreadPoolExecutor(AHEAD_BATCHES, thread_name_prefix="read-ahead")
+        future = self._ahead_pool.submit(self._fetch_requests, list(batch.values()))
+        for i, (key, req) in enumerate(batch.items()):
+            self._ahead[key] = (future, i, req)
 
     def _fetch(self, items: list[tuple[int, str, int, int]], requests: list[ReadRequest]) -> list[bytearray]:
         """The remote ranges (request k, path, start, end), through the local cache of pinned
@@ -228,7 +315,25 @@ class RangeReader:
                 ]
         DIRECT_BUFFERS.give_back(maps)
 
+    def _end_read_ahead(self) -> None:
+        """Stop reading ahead: what is queued is dropped, fetches under way finish, and what was
+        fetched and never read is counted as `reread` (bytes read beyond what the reads used)."""
+        with self._lock:
+            self._ahead_limit = 0
+            self._ahead_queue.clear()
+            pool, self._ahead_pool = self._ahead_pool, None
+            left = list(self._ahead.values())
+            self._ahead.clear()
+            self._ahead_held = 0
+        if pool is None:
+            return
+        pool.shutdown(wait=True, cancel_futures=True)
+        for batch, _, req in left:
+            if not batch.cancelled() and batch.exception() is None:
+                self.ledger.add("reread", req.model, req.file, req.size, requests=len(req.ranges))
+
     def close(self) -> None:
+        self._end_read_ahead()
         self.release()
         with self._lock:
             for fd in [*self._fds.values(), *self._direct_fds.values()]:

@@ -37,6 +37,9 @@ PART_SIZE = int(os.environ.get("MERGEPIPE_UPLOAD_PART_SIZE", str(64 * 1024 * 102
 # largest (5 GiB). Settable for stores with other rules, and for tests on small objects.
 MIN_PART_SIZE = int(os.environ.get("MERGEPIPE_MIN_PART_SIZE", str(5 * 1024 * 1024)))
 MAX_PART_SIZE = 5 * 1024**3
+# Fetched ahead per layer group by default: a fraction of a second of a fast link, so that the
+# link stays busy while the group merges what it read before.
+READ_AHEAD = 64 * 1024 * 1024
 MAX_PARTS = 10_000
 
 
@@ -281,6 +284,12 @@ def read_if_present(uri: str) -> bytes | None:
             return None
 
     return retrying(uri, "read", call)
+
+
+def read_ahead_bytes() -> int:
+    """The most bytes of remote ranges one layer group fetches ahead of its merge and holds
+    until read (storage.reader.RangeReader.read_ahead): MERGEPIPE_READ_AHEAD, 0 for none."""
+    return max(0, int(os.environ.get("MERGEPIPE_READ_AHEAD", str(READ_AHEAD))))
 
 
 def write_part_size() -> int:
