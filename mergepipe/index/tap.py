@@ -124,8 +124,8 @@ class TappedReader:
     def prefetch(self, requests: list[ReadRequest]) -> None:
         self.reader.prefetch(requests)
 
-    def read_ahead(self, requests: list[ReadRequest]) -> None:
-        self.reader.read_ahead(requests)
+    def read_ahead(self, requests: list[ReadRequest], first: bool = False) -> None:
+        self.reader.read_ahead(requests, first)
 
     def release(self, buffers=None) -> None:
         self.reader.release(buffers)
