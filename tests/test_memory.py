@@ -435,3 +435,29 @@ def test_the_executor_merges_each_tensor_in_the_form_the_rule_gives(
         # a batchable tensor with no batchable neighbour is merged whole, alone
         assert taken[n.name] is want or (want is Form.BATCHED and taken[n.name] is Form.WHOLE), n
     assert {Form.STREAMED, Form.BATCHED} <= set(taken.values())
+
+
+def test_reading_ahead_comes_out_of_a_groups_share_and_never_refuses_a_merge(
+    bf16_family, tmp_path, session_catalog, monkeypatch
+):
+    """What a group fetches ahead of remote inputs (storage.reader's read_ahead) is part of its
+    share of the budget: the configured bound where the share is large, at most a quarter of
+    the share, and nothing where the tensor that must be held whole needs all of it. Local
+    inputs read nothing ahead."""
+    cfg = _whole_tensor_config(tmp_path, bf16_family)
+    local = merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert local["memory"]["read_ahead_bytes"] == 0
+    plan, layout = saved_plan(local, session_catalog)
+    monkeypatch.setattr(memory, "PROCESS_BYTES", 0)
+    monkeypatch.setattr(memory, "read_ahead", lambda plan: 1 << 20)  # as for remote inputs
+    least = max(n.least for n in memory.tensor_needs(plan, layout))
+    roomy = memory.plan_memory(plan, layout, 1 << 30, 2)
+    assert roomy.workers == 2 and roomy.read_ahead == 1 << 20
+    assert roomy.per_group == (1 << 29) - (1 << 20)
+    for budget in (int(least * 1.1), int(least * 1.6), 4 * least, least):
+        m = memory.plan_memory(plan, layout, budget, 2)
+        share = budget // m.workers
+        assert m.per_group + m.read_ahead == share and m.per_group >= least
+        assert 0 <= m.read_ahead <= share // 4
+    assert memory.plan_memory(plan, layout, least, 2).read_ahead == 0
+    assert memory.plan_memory(plan, layout, 4 * least, 2).read_ahead > 0
