@@ -43,28 +43,6 @@ class Sent:
     range: str | None
 
 
-_HASHES: dict[tuple[int, str], tuple[bytes, str]] = {}  # (id of a file's bytes, algorithm) -> (the bytes, digest)
-_HASHES_LOCK = threading.Lock()
-
-
-def _hash(data: bytes, algorithm: str) -> str:
-    """A published file's digest, computed once: a Hub serves its stored hashes, and hashing a
-    large shard on every request would make the server, not the link, the bound."""
-    key = (id(data), algorithm)
-    with _HASHES_LOCK:
-        held = _HASHES.get(key)
-    if held is not None and held[0] is data:
-        return held[1]
-    digest = hashlib.new(algorithm, data).hexdigest()
-    with _HASHES_LOCK:
-        _HASHES[key] = (data, digest)  # holding the bytes keeps their id from being reused
-    return digest
-
-
-def _etag(data: bytes) -> str:
-    return _hash(data, "sha256")
-
-
 class HubServer:
     def __init__(self, rate: float | None = None, latency: float = 0.0) -> None:
         """rate: the link's bandwidth in bytes per second, shared by every connection (None:
@@ -72,6 +50,7 @@ class HubServer:
         a distant server; each request waits it, whatever else is in flight)."""
         self.rate = rate
         self.latency = latency
+        self._hashes: dict[tuple[int, str], tuple[bytes, str]] = {}  # (id(bytes), algorithm) -> (bytes, digest)
         self._tokens, self._at = float(BURST), time.monotonic()  # the capped link's token bucket
         self.repos: dict[str, Repo] = {}
         self.log: list[Sent] = []
@@ -108,12 +87,27 @@ class HubServer:
     def publish(self, repo: str, folder: Path, *, branch: str = "main", private: bool = False) -> str:
         """A commit holding the folder's files, on `branch`; returns its sha."""
         files = {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
-        sha = hashlib.sha1(json.dumps({n: _etag(d) for n, d in files.items()}, sort_keys=True).encode()).hexdigest()
+        sha = hashlib.sha1(
+            json.dumps({n: self._hash(d) for n, d in files.items()}, sort_keys=True).encode()
+        ).hexdigest()
         r = self.repos.setdefault(repo, Repo(private=private))
         r.private = private
         r.commits[sha] = files
         r.refs[branch] = sha
         return sha
+
+    def _hash(self, data: bytes, algorithm: str = "sha256") -> str:
+        """A published file's digest, computed once: a Hub serves its stored hashes, and hashing a
+        large shard on every request would make the server, not the link, the bound."""
+        key = (id(data), algorithm)
+        with self._lock:
+            held = self._hashes.get(key)
+        if held is not None and held[0] is data:
+            return held[1]
+        digest = hashlib.new(algorithm, data).hexdigest()
+        with self._lock:
+            self._hashes[key] = (data, digest)  # holding the bytes keeps their id from being reused
+        return digest
 
     def wire_bytes(self, pattern: str = r"\.safetensors$") -> int:
         """Body bytes sent for file requests whose path matches."""
@@ -202,9 +196,9 @@ class HubServer:
             return self._error(h, 404, "RevisionNotFound", head)
         siblings = []
         for name, data in repo.commits[sha].items():
-            entry = {"rfilename": name, "size": len(data), "blobId": _hash(data, "sha1")}
+            entry = {"rfilename": name, "size": len(data), "blobId": self._hash(data, "sha1")}
             if name.endswith(".safetensors"):
-                entry["lfs"] = {"size": len(data), "sha256": _etag(data), "pointerSize": 134}
+                entry["lfs"] = {"size": len(data), "sha256": self._hash(data), "pointerSize": 134}
             siblings.append(entry)
         if tree:
             entries = [
@@ -224,7 +218,7 @@ class HubServer:
         data = repo.commits.get(sha, {}).get(name) if sha else None
         if data is None:
             return self._error(h, 404, "EntryNotFound", head)
-        etag = _etag(data) if name.endswith(".safetensors") else _hash(data, "sha1")
+        etag = self._hash(data) if name.endswith(".safetensors") else self._hash(data, "sha1")
         headers = {"ETag": f'"{etag}"', "X-Repo-Commit": sha, "Accept-Ranges": "bytes"}
         start, end = 0, len(data)
         status = 200

@@ -37,10 +37,10 @@ PART_SIZE = int(os.environ.get("MERGEPIPE_UPLOAD_PART_SIZE", str(64 * 1024 * 102
 # largest (5 GiB). Settable for stores with other rules, and for tests on small objects.
 MIN_PART_SIZE = int(os.environ.get("MERGEPIPE_MIN_PART_SIZE", str(5 * 1024 * 1024)))
 MAX_PART_SIZE = 5 * 1024**3
+MAX_PARTS = 10_000
 # Fetched ahead per layer group by default: a fraction of a second of a fast link, so that the
 # link stays busy while the group merges what it read before.
 READ_AHEAD = 64 * 1024 * 1024
-MAX_PARTS = 10_000
 
 
 class ShortRead(OSError):
