@@ -308,3 +308,52 @@ def test_passthrough_of_one_model_scales_it_and_keeps_its_files(tmp_path, sessio
     assert (tmp_path / "out" / "config.json").read_bytes() == (Path(ORCA) / "config.json").read_bytes()
     with pytest.raises(BadInput, match="takes 0 model"):
         check_parameters(load_spec(_config(tmp_path, {**doc, "base_model": BASE}, "two.yaml")))
+
+
+def test_a_sweep_of_slices_measures_against_the_base_where_the_output_has_it(tmp_path, session_catalog):
+    """`sweep` over slices: each output against the full one, and the full one's distance from the
+    base as the merge read it (the base's layers 0-1 in the output's layers 0-1 and 2-3 here),
+    not from the base model as it is, whose layers are elsewhere."""
+    from mergepipe.flows.sweep import budget_sweep
+
+    doc = {
+        "slices": [
+            {"sources": [_src(BASE, 0, 2), _src(ORCA, 0, 2, weight=0.7)]},
+            {"sources": [_src(BASE, 0, 2), _src(ORCA, 2, 4, weight=0.7)]},
+        ],
+        "merge_method": "task_arithmetic",
+        "base_model": BASE,
+        "dtype": "float32",
+    }
+    rows = budget_sweep(
+        config=str(_config(tmp_path, doc)), out=str(tmp_path / "sweep"), budgets=["30%"], catalog=session_catalog
+    )
+    full = load_model(tmp_path / "sweep" / "budget-100pct")
+    base = load_file(Path(BASE) / "model.safetensors")
+    again = {
+        n.replace(".layers.0.", ".layers.2.").replace(".layers.1.", ".layers.3."): t
+        for n, t in base.items()
+        if ".layers.0." in n or ".layers.1." in n
+    }
+    view = {n: again[n] if ".layers.2." in n or ".layers.3." in n else base[n] for n in full}
+    assert [r["budget"] for r in rows] == ["30%", "100%"]
+    assert rows[1]["deviation"] == 0.0 < rows[0]["deviation"]
+    for r in rows:
+        assert r["full_delta_norm"] == pytest.approx(frobenius_diff(full, view), rel=1e-12)
+        measured = frobenius_diff(load_model(Path(r["out"])), full)
+        assert r["deviation"] == pytest.approx(measured, rel=1e-12, abs=1e-30)
+
+
+def test_a_sweep_of_a_frankenmerge_deviates_nowhere(tmp_path, session_catalog):
+    """A frankenmerge reads no expert: every budget gives the full output, and its distance from
+    its one source (the view of the slices' models) is the last slice's o_proj scaling."""
+    from mergepipe.flows.sweep import budget_sweep
+
+    rows = budget_sweep(
+        config=str(_config(tmp_path, FRANKEN)), out=str(tmp_path / "sweep"), budgets=["10%"], catalog=session_catalog
+    )
+    orca = load_file(Path(ORCA) / "model.safetensors")
+    scaled = [t for n, t in orca.items() if "o_proj" in n and (".layers.2." in n or ".layers.3." in n)]
+    assert len(scaled) == 2 and all(r["deviation"] == 0.0 for r in rows)
+    want = sum(float(((0.5 * t.double() - t.double()) ** 2).sum()) for t in scaled) ** 0.5
+    assert rows[0]["full_delta_norm"] == pytest.approx(want, rel=1e-12)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mergepipe.config.request import build_request
+from mergepipe.config.environment import catalog_location
 from mergepipe.config.sizes import parse_budget
 from mergepipe.flows.artifacts import create_table_artifact
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
+from mergepipe.plan.saved import PlanRef
 from mergepipe.storage.location import join
 from mergepipe.tasks.report import measure_deviation
 
@@ -75,11 +76,12 @@ def budget_sweep(
                 "wall_seconds": round(r["wall_seconds"], 3),
                 "digest": r["digest"],
                 "out": r["out"],
+                "plan": PlanRef(r["plan_key"], catalog_location(catalog)),
             }
         )
     full = next(row for row, b in zip(rows, budgets) if parse_budget(b).is_full)
-    base = build_request(config).spec.base_model
     for row in rows:
-        row.update(run_task(measure_deviation, row["out"], full["out"], base))
+        row.update(run_task(measure_deviation, row["out"], full["out"], full["plan"]))
+        del row["plan"]
     publish_artifact(create_table_artifact, key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")
     return rows

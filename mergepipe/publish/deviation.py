@@ -9,6 +9,7 @@ import math
 from mergepipe import torch
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, byte_range
+from mergepipe.plan.record import InputModel
 from mergepipe.storage.location import join
 from mergepipe.storage.model_files import ModelFiles, read_models
 from mergepipe.storage.reader import RangeReader
@@ -17,7 +18,7 @@ from mergepipe.storage.safetensors_format import DTYPES, decode
 CHUNK_BYTES = 64 << 20
 
 
-def _chunks(model: ModelFiles, name: str, reader: RangeReader, role: str):
+def _chunks(model: ModelFiles | InputModel, name: str, reader: RangeReader, role: str):
     loc = model.tensors[name]
     shape, dtype = tuple(loc.shape), loc.dtype
     itemsize = DTYPES[dtype].itemsize
@@ -32,11 +33,14 @@ def _chunks(model: ModelFiles, name: str, reader: RangeReader, role: str):
         yield values
 
 
-def deviation(merged_uri: str, full_uri: str, base_uri: str) -> dict:
+def deviation(merged_uri: str, full_uri: str, base: str | InputModel) -> dict:
     """Frobenius distance of `merged` from `full` over the floating-point tensors, and the two
-    ratios. The three models must share tensor names and shapes."""
+    ratios. The three models must share tensor names and shapes. `base`: a model's location, or
+    a plan's base input (its tensors where that plan read them: a view, for slices)."""
     with RangeReader() as reader:
-        merged, full, base = read_models([(merged_uri, "merged"), (full_uri, "full"), (base_uri, "base")], reader)
+        wanted = [(merged_uri, "merged"), (full_uri, "full")] + ([(base, "base")] if isinstance(base, str) else [])
+        merged, full, *read = read_models(wanted, reader)
+        base = read[0] if read else base
         diff_sq, full_sq, delta_sq = [], [], []
         for name in sorted(full.tensors):
             if not DTYPES[full.tensors[name].dtype].is_float:
