@@ -357,3 +357,18 @@ def test_a_sweep_of_a_frankenmerge_deviates_nowhere(tmp_path, session_catalog):
     assert len(scaled) == 2 and all(r["deviation"] == 0.0 for r in rows)
     want = sum(float(((0.5 * t.double() - t.double()) ** 2).sum()) for t in scaled) ** 0.5
     assert rows[0]["full_delta_norm"] == pytest.approx(want, rel=1e-12)
+
+
+def test_a_first_frankenmerge_reads_its_sources_once(tmp_path):
+    """With an empty catalog, the merge hashes the base's view from the bytes it copies (its
+    content digest, which the catalog keeps): no index pass reads them first, and the next
+    merge, on that catalog, has the same plan digest."""
+    from mergepipe.flows.merge import merge
+
+    cfg, catalog = _config(tmp_path, FRANKEN), str(tmp_path / "catalog.duckdb")
+    first = merge(config=str(cfg), out=str(tmp_path / "first"), catalog=catalog)
+    copied = sum(t.nbytes for t in load_model(tmp_path / "first").values())  # float32 in, float32 out
+    assert first["index_bytes"]["base"] == 0 and first["bytes"]["base"] == copied
+    again = merge(config=str(cfg), out=str(tmp_path / "again"), catalog=catalog)
+    assert again["index_bytes"]["base"] == 0 and again["plan_digest"] == first["plan_digest"]
+    assert again["digest"] == first["digest"]

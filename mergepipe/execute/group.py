@@ -74,7 +74,7 @@ class GroupMerger:
         index: list[int] | None = None,
     ) -> None:
         self.g = GroupContext(plan, layout, out, ledger, memory)
-        self.index = index or []
+        self.index = index  # None: no tap; [] a tap of the base alone (its content digest)
         self.tap: StatsTap | None = None
         self.index_result: dict | None = None
 
@@ -82,7 +82,7 @@ class GroupMerger:
         g = self.g
         names = g.layout.groups[group]
         g.group = group
-        if self.index:
+        if self.index is not None:
             self.tap = StatsTap(g.plan.inputs, [k + 1 for k in self.index], g.plan.block_size, names)
             g.reader = TappedReader(g.reader, self.tap)
         reads = self._reads(names)
@@ -194,7 +194,7 @@ def merge_group(
     except BaseException:
         out.abort()
         raise
-    index_result = merger.index_result if index else None
+    index_result = merger.index_result if index is not None else None
     return GroupResult(ledger.rows(), merger.g.written.hexdigest(), worker, index_result, staged=staged)
 
 

@@ -105,7 +105,7 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
         if (fp not in known or fp not in content) and fp not in seen:
             missing.append(i)
             seen.add(fp)
-    if missing and first_merge and reads_every_block(spec, family):
+    if (missing or family.base_fp not in content) and first_merge and reads_every_block(spec, family):
         held = ExitStack()
         _, others = held.enter_context(claiming(catalog, family, missing, bs))
         if not others:
