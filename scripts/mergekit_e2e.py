@@ -511,6 +511,40 @@ parameters:
 dtype: float32
 """
 
+# Filters that name a layer: a source's settings (its own, and the slice's and global ones it
+# falls through to) are tested against the source's tensor name (orca's layer 2 becomes the
+# output's layer 0 here), the method's shared lambda against the output's.
+CONFIGS["slices_source_filters"] = """\
+slices:
+  - sources:
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [0, 2]
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [2, 4]
+        parameters:
+          weight:
+            - filter: layers.2.
+              value: 0.1
+            - value: 0.6
+  - sources:
+      - model: TheBloke/Llama-2-13B-fp16
+        layer_range: [2, 4]
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [0, 2]
+    parameters:
+      weight:
+        - filter: layers.1.
+          value: 0.9
+        - value: 0.3
+      lambda:
+        - filter: layers.2.
+          value: 0.5
+        - value: 1.0
+merge_method: task_arithmetic
+base_model: TheBloke/Llama-2-13B-fp16
+dtype: float32
+"""
+
 # --------------------------------------------------------------------------- running mergekit
 
 

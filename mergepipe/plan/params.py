@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 from mergepipe.config.settings import evaluate, filters_of
 from mergepipe.config.spec import MergeSpec, check_parameters, parameter_values
 from mergepipe.errors import BadInput
-from mergepipe.index.blocks import before_layers, layer_count, layer_index, layer_position
+from mergepipe.index.blocks import before_layers, layer_count, layer_index, layer_position, with_layer
 from mergepipe.operators import MergeParams, ParamTable, get_operator
 from mergepipe.operators.base import BASE_AT
 
@@ -38,6 +38,10 @@ class _Settings(NamedTuple):
     base_where: str | None
     base_model: str  # the base's location (in a slice: its source's)
     base_at: int  # the base's place among the inputs in mergekit's order: its entry, else last
+    # A slice's source layer less the output layer it becomes, per expert and for the base: a
+    # model's settings test their filters against its own tensor's name, as mergekit's do.
+    expert_shifts: tuple[int, ...]
+    base_shift: int = 0
 
     @classmethod
     def of(cls, spec: MergeSpec) -> "_Settings":
@@ -52,13 +56,15 @@ class _Settings(NamedTuple):
             None if base is None else f"models[{spec.models.index(base)}]",
             spec.base_model,
             len(experts) if base is None else spec.models.index(base),
+            (0,) * len(experts),
         )
 
     @classmethod
     def of_slices(cls, spec: MergeSpec) -> list["_Settings"]:
         """One per slice: its sources' blocks, its own parameters before the global ones."""
-        out = []
+        out, first_layer = [], 0
         for i, (sl, roles) in enumerate(zip(spec.slices, spec.slice_roles())):
+            shift = [src.layer_range[0] - first_layer for src in sl.sources]
             out.append(
                 cls(
                     (parameter_values(sl.parameters), parameter_values(spec.parameters)),
@@ -69,9 +75,19 @@ class _Settings(NamedTuple):
                     f"slices[{i}].sources[{roles.base}]",
                     sl.sources[roles.base].model,
                     roles.base,
+                    tuple(shift[j] for j in roles.experts),
+                    shift[roles.base],
                 )
             )
+            first_layer += sl.length
         return out
+
+    def input_names(self, tensor: str) -> tuple[str, ...]:
+        """The tensor's name in each expert's source, then in the base's (its name in the
+        output for a tensor outside the layers, and in the `models:` form)."""
+        i = layer_index(tensor) if tensor else None
+        shifts = (*self.expert_shifts, self.base_shift)
+        return tuple(tensor if i is None or not d else with_layer(tensor, i + d) for d in shifts)
 
     def filters(self) -> tuple[str, ...]:
         """Every substring a condition of any level tests tensor names for."""
@@ -88,10 +104,13 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
     inputs gets its own values; a config that does not list the base weighs it with a global
     value if there is one (as mergekit adds it as an input), and leaves it out otherwise."""
     op = get_operator(spec.merge_method)
+    *expert_names, base_name = settings.input_names(tensor)
 
-    def value(name: str, own: dict[str, Any] | None) -> Any:
+    def value(name: str, own: dict[str, Any] | None, as_named: str = tensor) -> Any:
+        """The first level that gives a value: a model's setting (`own`) and those below it are
+        tested against that model's tensor name (`as_named`), as mergekit tests them."""
         for level in ((own,) if own is not None else ()) + settings.shared:
-            v = evaluate(level[name], tensor, t)
+            v = evaluate(level[name], as_named, t)
             if v is not None:
                 return v
         return None
@@ -100,8 +119,10 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
     for p in op.parameters:
         if p.per_model:
             values = []
-            for where, model, own in zip(settings.expert_where, settings.expert_models, settings.experts):
-                v = value(p.name, own)
+            for where, model, own, named in zip(
+                settings.expert_where, settings.expert_models, settings.experts, expert_names
+            ):
+                v = value(p.name, own, named)
                 if v is None and p.required:
                     raise BadInput(
                         f"{where}.parameters.{p.name}: required by merge_method {spec.merge_method!r}"
@@ -121,7 +142,7 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
     base_values = None
     n_experts = len(settings.experts)
     if op.base_weighted:
-        base_values = {p.name: value(p.name, settings.base) for p in op.parameters if p.per_model}
+        base_values = {p.name: value(p.name, settings.base, base_name) for p in op.parameters if p.per_model}
         for p in op.parameters:
             if p.per_model and p.required and settings.base is not None and base_values[p.name] is None:
                 raise BadInput(
@@ -189,16 +210,17 @@ def resolve_tensor_params(spec: MergeSpec, tensor_names) -> ParamTable:
     where = _slice_positions(spec, names)
     all_settings = _Settings.of_slices(spec) if spec.slices else [_Settings.of(spec)]
     # A tensor's parameters depend on its name through its slice, its layer position and the
-    # filters it matches: each distinct (slice, position, matches) is resolved once, for the
-    # first tensor (in name order) that has it, so a refusal names the same tensor as
-    # resolving each would.
+    # filters its names (in the output, in each input) match: each distinct (slice, position,
+    # matches) is resolved once, for the first tensor (in name order) that has it, so a refusal
+    # names the same tensor as resolving each would.
     filters = tuple(sorted({f for settings in all_settings for f in settings.filters()}))
     resolved: dict[tuple, MergeParams] = {}
     distinct: dict[MergeParams, MergeParams] = {}
     per_tensor = {}
     for name in names:
         s, t = where(name)
-        key = (s, t, *(f in name for f in filters))
+        inputs = all_settings[s].input_names(name)
+        key = (s, t, *(f in n for n in (name, *inputs) for f in filters))
         params = resolved.get(key)
         if params is None:  # one object for equal sets: the table then compares them by identity
             params = resolved[key] = distinct.setdefault(p := _resolve(spec, all_settings[s], name, t), p)
