@@ -545,6 +545,34 @@ base_model: TheBloke/Llama-2-13B-fp16
 dtype: float32
 """
 
+# passthrough's scale is the one source's parameter: its filter names orca's layer 3, which
+# becomes the output's layer 1 in the first slice and layer 5 in the last (the output's layer 3,
+# Platypus's layer 1, keeps its scale of 1).
+CONFIGS["passthrough_source_filters"] = """\
+slices:
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [2, 4]
+        parameters:
+          scale:
+            - filter: layers.3.
+              value: 0.5
+            - value: 1.0
+  - sources:
+      - model: garage-bAInd/Platypus2-13B
+        layer_range: [0, 2]
+  - sources:
+      - model: psmathur/orca_mini_v3_13b
+        layer_range: [2, 4]
+    parameters:
+      scale:
+        - filter: layers.3.
+          value: 2.0
+        - value: 1.0
+merge_method: passthrough
+dtype: float32
+"""
+
 # --------------------------------------------------------------------------- running mergekit
 
 
