@@ -85,8 +85,8 @@ class _Settings(NamedTuple):
     def input_names(self, tensor: str) -> tuple[str, ...]:
         """The tensor's name in each expert's source, then in the base's (its name in the
         output for a tensor outside the layers, and in the `models:` form)."""
-        i = layer_index(tensor) if tensor else None
         shifts = (*self.expert_shifts, self.base_shift)
+        i = layer_index(tensor) if tensor and any(shifts) else None  # most configs shift nothing
         return tuple(tensor if i is None or not d else with_layer(tensor, i + d) for d in shifts)
 
     def filters(self) -> tuple[str, ...]:
