@@ -19,6 +19,9 @@ says so:
                    fills the cache, the merge reads from it
   cache_25%        then a 25% merge: only the ranges the cache lacks cross the wire
 
+With --redirect the server answers each resolve of an expert file with a 302 to a storage host of
+its own (another origin, a signed URL), as the Hub does; each run reports the resolves it made.
+
 With --read-ahead-pairs N, after hub_25% the indexed 10% and 25% merges run N more times each
 with reading ahead off (MERGEPIPE_READ_AHEAD=0, `…_no_read_ahead`) and on, alternately, in one
 process; with --no-download the download and cache runs are left out.
@@ -26,7 +29,8 @@ process; with --no-download the download and cache runs are left out.
 The server runs in a process of its own (`python -m tests.hub_server`), so that it does not share
 an interpreter with the merge it serves.
 
-Bytes on the wire are counted by the server (body bytes sent), per run. Results: JSON under
+Bytes on the wire are counted by the server (body bytes sent, by either host), per run, and so are
+the resolves (requests to a /resolve/ path: the Hub rate limits them). Results: JSON under
 --results (default benchmarks/results/hub-merge/).
 """
 
@@ -58,6 +62,7 @@ def main() -> None:
     ap.add_argument("--latency", type=float, default=0.0, help="seconds before each answer starts (a round trip)")
     ap.add_argument("--read-ahead-pairs", type=int, default=0, help="indexed merges with read-ahead off and on")
     ap.add_argument("--no-download", action="store_true", help="leave out the download and cache runs")
+    ap.add_argument("--redirect", action="store_true", help="resolves of LFS files answer 302 to a storage host")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "hub-merge"))
     args = ap.parse_args()
@@ -83,7 +88,8 @@ def main() -> None:
 
     repos = [f"bench/base={fam.base}"] + [f"bench/e{i}={e}" for i, e in enumerate(fam.experts)]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.hub_server", f"{args.rate}:{args.latency}", *repos],
+        [sys.executable, "-m", "tests.hub_server", f"{args.rate}:{args.latency}", *repos]
+        + (["--redirect"] if args.redirect else []),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -96,6 +102,12 @@ def main() -> None:
     def wire_log() -> list:
         """[path, body bytes] of each request the server answered since the last call."""
         with urllib.request.urlopen(f"{endpoint}/_log") as r:
+            return json.loads(r.read())
+
+    def resolves() -> int:
+        """Requests to a /resolve/ path so far (the storage host's are not: /_log names those by
+        the resolve path that sent them there)."""
+        with urllib.request.urlopen(f"{endpoint}/_resolves") as r:
             return json.loads(r.read())
 
     import yaml
@@ -117,6 +129,7 @@ def main() -> None:
 
     def run(label: str, fn) -> dict:
         wire_log()  # forget what came before
+        before = resolves()
         t0 = time.perf_counter()
         out = fn()
         seconds = time.perf_counter() - t0
@@ -126,6 +139,7 @@ def main() -> None:
             "seconds": round(seconds, 2),
             "wire_expert_bytes": sum(n for path, n in sent if re.search(r"^/bench/e\d/.*\.safetensors$", path)),
             "wire_bytes": sum(n for _, n in sent),
+            "resolves": resolves() - before,
             **(out or {}),
         }
         rows.append(row)
@@ -195,6 +209,7 @@ def _save(args, expert_bytes: int, rows: list[dict]) -> dict:
     name += f"_{args.layers}_layers" if args.layers != 8 else ""
     name += f"_{round(args.latency * 1000)}ms" if args.latency else ""
     name += "_read_ahead" if args.no_download else ""
+    name += "_redirect" if args.redirect else ""
     digests = {r["digest"] for r in rows if r["run"].endswith("10%") or "10%_" in r["run"]}
     result = {
         "family": {
@@ -206,6 +221,7 @@ def _save(args, expert_bytes: int, rows: list[dict]) -> dict:
         },
         "rate_bytes_per_s": args.rate,
         "latency_s": args.latency,
+        "redirect": args.redirect,
         "rows": rows,
         "same_digest_10%": len(digests) == 1,
     }

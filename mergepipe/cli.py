@@ -171,6 +171,12 @@ def _print_merge(result: dict, title: str) -> None:
     if result["bytes"].get("reread"):
         t.add_row("bytes read again (passes over windows)", _mib(result["bytes"]["reread"]))
     t.add_row("output bytes written", _mib(result["bytes"]["output"]))
+    req = result.get("requests") or {}
+    if req.get("resolves") or req.get("rate_limited"):  # read from the Hub
+        waited = f", rate-limited {req['rate_limited']}× ({req['rate_limit_wait_seconds']:.0f} s)"
+        t.add_row(
+            "requests", f"{req['reads']} reads, {req['resolves']} resolves" + (waited if req["rate_limited"] else "")
+        )
     bound = f"{result['error_bound']:.6g}" + (
         "" if result["bound_guaranteed"] else " (heuristic: operator is not additive)"
     )

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import http.client
 import random
+import re
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
 
+# The access key id in a SigV4 signature: the Authorization header's Credential=, or a presigned
+# URL's X-Amz-Credential=.
+_CREDENTIAL = re.compile(r"(?:Credential|X-Amz-Credential)=([^/&,\s]+)/")
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
 SLOW_DOWN = (
     b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
@@ -34,6 +38,7 @@ class Exchange:
     body_bytes: int  # response body bytes sent
     wire_bytes: int  # response bytes sent, status line and headers included
     fault: str | None = None
+    access_key: str | None = None  # the access key id the request was signed with (SigV4's Credential=)
 
 
 class _CountingWriter:
@@ -126,7 +131,9 @@ class S3Proxy:
                         self.connection.shutdown(socket.SHUT_RDWR)
                     except OSError:
                         pass
-                    proxy._record(Exchange(method, key, self.headers.get("Range"), 0, 0, 0, fault))
+                    proxy._record(
+                        Exchange(method, key, self.headers.get("Range"), 0, 0, 0, fault), self.headers, self.path
+                    )
                     return
                 if fault == "503":
                     self.send_response(503)
@@ -140,7 +147,9 @@ class S3Proxy:
                     proxy._record(
                         Exchange(
                             method, key, self.headers.get("Range"), 503, len(SLOW_DOWN), self.wfile.count - start, fault
-                        )
+                        ),
+                        self.headers,
+                        self.path,
                     )
                     return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
@@ -170,7 +179,9 @@ class S3Proxy:
                 proxy._record(
                     Exchange(
                         method, key, self.headers.get("Range"), resp.status, len(sent), self.wfile.count - start, fault
-                    )
+                    ),
+                    self.headers,
+                    self.path,
                 )
 
             do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
@@ -195,7 +206,10 @@ class S3Proxy:
             kinds = [k for k in kinds if self.kinds is None or k in self.kinds]
             return self.rng.choice(kinds) if kinds else None
 
-    def _record(self, exchange: Exchange) -> None:
+    def _record(self, exchange: Exchange, headers=None, path: str = "") -> None:
+        signed = (headers.get("Authorization") if headers is not None else None) or path
+        found = _CREDENTIAL.search(unquote(signed or ""))
+        exchange = replace(exchange, access_key=found.group(1) if found else None)
         with self._lock:
             self.exchanges.append(exchange)
 

@@ -22,6 +22,7 @@ from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
 from mergepipe.operators import slabs
+from mergepipe.storage import remote
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.model_files import MANIFEST_FILE
 from mergepipe.storage.reader import RangeReader, ReadRequest
@@ -90,7 +91,7 @@ def local_reference(family, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hubref")
     cfg = _config(tmp, str(family.base), [str(e) for e in family.experts], "local.yaml")
     catalog = str(tmp / "catalog.duckdb")
-    budgets = {"10%": "10%", "100%": None}  # the hub merges give no budget for a full one
+    budgets = {"10%": "10%", "25%": "25%", "100%": None}  # the hub merges give no budget for a full one
     return {k: merge(config=str(cfg), out=str(tmp / k), budget=b, catalog=catalog) for k, b in budgets.items()}
 
 
@@ -441,3 +442,152 @@ def test_tensors_merged_in_parts_read_ahead_exactly_their_reads(hub, family, tmp
         hub.wire_bytes(r"^/org/.*/resolve/.*\.safetensors$") == headers + read["base"] + read["expert"] + read["reread"]
     )
     assert parts["expert_bytes_read"] == whole["expert_bytes_read"]
+
+
+def test_a_sweep_merges_every_budget_from_the_commit_it_pinned_first(hub, family, tmp_path, monkeypatch):
+    """The branch moves after the first budget's merge: every budget still reads, and records,
+    the commit the sweep pinned first."""
+    from mergepipe.flows import sweep
+
+    first = hub.publish("org/sweeping", family.experts[0])
+    cfg = _config(tmp_path, "hf://org/base", ["hf://org/sweeping", "hf://org/e1"], "sweep.yaml")
+    real, merged = sweep._merge_at, []
+
+    def merge_then_move(*args, **kwargs):
+        merged.append(real(*args, **kwargs))
+        if len(merged) == 1:
+            hub.publish("org/sweeping", family.experts[2])  # a new commit on main
+        return merged[-1]
+
+    monkeypatch.setattr(sweep, "_merge_at", merge_then_move)
+    rows = sweep.budget_sweep(
+        config=str(cfg), out=str(tmp_path / "sweep"), budgets=["10%", "25%", "100%"], catalog=str(tmp_path / "c.duckdb")
+    )
+    assert len(rows) == 3 and hub.repos["org/sweeping"].refs["main"] != first
+    for row in rows:
+        commits = json.loads((Path(row["out"]) / MANIFEST_FILE).read_text())["run"]["commits"]
+        assert [c for c in commits if "/org/sweeping/" in c] == [f"{hub.endpoint}/org/sweeping/resolve/{first}"], row
+
+
+# ---------------------------------------------------------------- the Hub as it serves large files
+
+
+@pytest.fixture
+def redirecting(hub, monkeypatch):
+    """The server answering large files' resolves with 302 to signed URLs on a storage host of
+    its own origin, as the Hub does, and a process that has resolved nothing yet."""
+    monkeypatch.setattr(remote, "LOCATIONS", remote.Locations())
+    hub.redirect = True
+    hub.reset_log()
+    try:
+        yield hub
+    finally:
+        hub.redirect, hub.url_ttl, hub.resolve_limit, hub.resolve_window = False, 3600.0, None, 300.0
+        hub.rate = None
+        hub.reset_log()
+
+
+def _shards(*models: Path) -> list[Path]:
+    return [p for m in models for p in sorted(m.glob("*.safetensors"))]
+
+
+def _no_token_off_the_hub(hub: HubServer) -> None:
+    storage = hub.storage_requests()
+    assert storage and all("authorization" not in {k.lower() for k in s.headers} for s in storage)
+    assert not [s for s in storage if s.status == 400]  # no signed request came with a header of ours
+
+
+def test_each_shard_is_resolved_once_and_read_from_its_signed_url(redirecting, family, local_reference, tmp_path):
+    hub = redirecting
+    catalog = str(tmp_path / "catalog.duckdb")
+    cfg = _hub_config(tmp_path)
+    index_family(config=str(cfg), catalog=catalog)
+    shards = _shards(family.base, *family.experts)
+    headers = sum(8 + int.from_bytes(p.read_bytes()[:8], "little") for p in _shards(*family.experts))
+    for budget in ("10%", "100%"):
+        remote.LOCATIONS = remote.Locations()  # as a fresh worker would
+        hub.reset_log()
+        given = None if budget == "100%" else budget  # as the reference was merged
+        r = merge(config=str(cfg), out=str(tmp_path / budget), budget=given, catalog=catalog)
+        assert r["digest"] == local_reference[budget]["digest"]
+        files = {s.file or s.path for s in hub.log if s.method == "GET" and s.status in (200, 206)}
+        heads = [s for s in hub.log if s.method == "HEAD" and "/resolve/" in s.path]
+        assert len(heads) == len(shards) == r["requests"]["resolves"]  # one per shard, as the run says
+        assert hub.resolves() <= 2 * len(files) + 4, (hub.resolves(), sorted(files))
+        assert r["requests"]["reads"] > 2 * hub.resolves()  # one resolve per read would be many more
+        # The storage host sent the plan's bytes of the experts, and the headers; nothing else.
+        sent = hub.wire_bytes(r"^/org/e\d/resolve/.*\.safetensors$")
+        assert sent - headers == r["expert_bytes_read"] == r["expert_bytes_planned"]
+        assert not [s for s in hub.log if s.host == "hub" and s.path.endswith(".safetensors") and s.method == "GET"]
+        _no_token_off_the_hub(hub)
+
+
+def test_urls_that_expire_mid_merge_are_resolved_again(redirecting, family, local_reference, tmp_path):
+    hub = redirecting
+    hub.url_ttl = 1.0
+    hub.rate = 1e6  # a slow link: the merge takes several URL lifetimes
+    r = merge(config=str(_hub_config(tmp_path)), out=str(tmp_path / "out"), catalog=str(tmp_path / "c.duckdb"))
+    assert r["digest"] == local_reference["100%"]["digest"]
+    assert r["wall_seconds"] > 3
+    shards = len(_shards(family.base, *family.experts))
+    heads = len([s for s in hub.log if s.method == "HEAD" and "/resolve/" in s.path])
+    # Each refresh was a resolve of its own, and the run's record counts every one.
+    assert heads > shards and r["requests"]["resolves"] == heads
+    _no_token_off_the_hub(hub)
+
+
+def test_a_rate_limit_is_not_met_and_when_met_waited_out(redirecting, family, local_reference, tmp_path, caplog):
+    hub = redirecting
+    cfg = _hub_config(tmp_path)
+    hub.resolve_limit = 20  # a client resolving for every read would meet it again and again
+    r = merge(config=str(cfg), out=str(tmp_path / "under"), catalog=str(tmp_path / "c1.duckdb"))
+    assert r["digest"] == local_reference["100%"]["digest"]
+    assert hub.rate_limited == 0 and r["requests"]["rate_limited"] == 0
+    assert r["requests"]["reads"] >= 3 * hub.resolve_limit
+    # A limit low enough to meet anyway: the merge waits as the server says, and goes on.
+    remote.LOCATIONS = remote.Locations()
+    hub.reset_log()
+    hub.resolve_limit, hub.resolve_window = 3, 2.0
+    with caplog.at_level("WARNING", logger="mergepipe.storage"):
+        r = merge(config=str(cfg), out=str(tmp_path / "limited"), catalog=str(tmp_path / "c2.duckdb"))
+    assert r["digest"] == local_reference["100%"]["digest"]
+    assert hub.rate_limited > 0 and r["requests"]["rate_limited"] > 0
+    assert r["requests"]["rate_limit_wait_seconds"] > 0
+    assert re.search(r"rate-limited by the Hub: resuming in \d+ s", caplog.text)
+    run = json.loads((tmp_path / "limited" / MANIFEST_FILE).read_text())["run"]
+    assert run["requests"] == r["requests"]
+
+
+@pytest.mark.parametrize("redirect", [True, False], ids=["redirected", "served-by-the-hub"])
+def test_a_private_base_with_folders_elsewhere_sends_the_token_to_the_hub_only(
+    redirecting, family, local_reference, tmp_path, monkeypatch, redirect
+):
+    """Reads of the base (from its signed URLs, or from the Hub itself where it serves the files)
+    and of the experts' folders go out in the same batches: each host gets its own headers."""
+    hub = redirecting
+    hub.redirect = redirect
+    hub.publish("org/private-base", family.base, private=True)
+    folders = HubServer()  # another host: a mirror of the experts, as https:// folders
+    try:
+        for i, e in enumerate(family.experts):
+            folders.publish(f"org/e{i}", e)
+        experts = [f"{folders.endpoint}/mirror/org/e{i}" for i in range(3)]
+        cfg = _config(tmp_path, "hf://org/private-base", experts, "mixed.yaml")
+        refused = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "refused")])
+        assert refused.exit_code == 2, refused.output
+        assert "hf://org/private-base" in refused.output and "a token is needed" in refused.output
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        catalog = str(tmp_path / "catalog.duckdb")
+        for budget, given in (("100%", None), ("25%", "25%")):
+            folders.reset_log()
+            r = merge(config=str(cfg), out=str(tmp_path / budget), budget=given, catalog=catalog)
+            assert r["digest"] == local_reference[budget]["digest"]
+            got = [s for s in folders.log if s.method == "GET" and s.range]
+            assert got and all("authorization" not in {k.lower() for k in s.headers} for s in folders.log)
+        if redirect:
+            _no_token_off_the_hub(hub)
+        else:  # every read of the private base went to the Hub, with the token
+            base_reads = [s for s in hub.log if "/org/private-base/resolve/" in s.path and s.method == "GET"]
+            assert base_reads and all(s.status in (200, 206) for s in base_reads)
+    finally:
+        folders.close()

@@ -14,7 +14,7 @@ from mergepipe.config.environment import CatalogLocation, catalog_location, defa
 from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import MergeSpec, check_parameters, load_spec
 from mergepipe.errors import BadInput
-from mergepipe.storage.location import set_storage_options
+from mergepipe.storage.location import set_storage_options, storage_options
 from mergepipe.storage.writer import check_destination
 
 RUNNERS = ("thread", "dask")
@@ -92,9 +92,11 @@ def build_request(
     memory: str | None = None,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
-    already validated spec (a replay's, from its manifest). `budget` or `max_error` replaces the
-    config's; `allow_empty` (--allow-empty) sets the config's allow_empty. With `out`, the destination is checked (not existing unless `overwrite`, not
-    overlapping an input) after the config's storage options are applied to this process."""
+    already validated spec (a replay's, from its manifest). The spec's storage options are set
+    for the calling context (each flow runs in a context of its own: flows.orchestration).
+    `budget` or `max_error` replaces the config's; `allow_empty` (--allow-empty) sets the
+    config's allow_empty. With `out`, the destination is checked (not existing unless
+    `overwrite`, not overlapping an input) with the config's storage options."""
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
     if budget is not None:
@@ -112,9 +114,8 @@ def build_request(
             overrides = {"budget": None, "max_error": max_error}
         if allow_empty:
             overrides["allow_empty"] = True
-        # Read with the environment's credentials, not options a previous run in this process left.
-        set_storage_options(None)
-        spec, location = load_spec(config, overrides), str(config)
+        with storage_options(None):  # the config itself is read with the environment's credentials
+            spec, location = load_spec(config, overrides), str(config)
         set_storage_options(spec.storage_options)
     check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
     destination = None

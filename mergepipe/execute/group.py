@@ -4,7 +4,6 @@ windowed), and write the result at its precomputed place in the staged output.""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -18,6 +17,7 @@ from mergepipe.operators.ranges import coalesce
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
 from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.location import ContextPool
 from mergepipe.storage.reader import ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES
 from mergepipe.storage.staging import OutputWriter, Staging
@@ -102,7 +102,7 @@ class GroupMerger:
             g.reader.read_ahead([r for requests in ahead[i:stop] for r in requests])
 
         read_ahead_from(0)
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefetch") as prefetch:
+        with ContextPool(max_workers=1, thread_name_prefix="prefetch") as prefetch:
             try:
                 for requests in ahead[:PREFETCH_TENSORS]:
                     prefetch.submit(g.reader.prefetch, requests)

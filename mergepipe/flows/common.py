@@ -32,7 +32,7 @@ from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
 from mergepipe.publish.manifest import MANIFEST_FILE, versions
 from mergepipe.storage.hub import commit_roots
-from mergepipe.storage.ledger import ByteLedger
+from mergepipe.storage.ledger import ByteLedger, request_counts
 from mergepipe.storage.location import join
 from mergepipe.storage.staging import staging_at
 from mergepipe.tasks import progress
@@ -357,6 +357,7 @@ def execute_plan(ex: Execution) -> dict:
             ],
             "spec": plan.spec,
             "bytes": ledger.by_role(),
+            "requests": request_counts(ledger, ex.index_ledger),
             "ledger": ledger.rows(),
             "index_bytes": ex.index_ledger.by_role(),
             "expert_bytes_planned": plan.expert_bytes_planned,
@@ -418,6 +419,7 @@ def execute_plan(ex: Execution) -> dict:
         "expert_bytes_read": expert_read,
         "bytes": ledger.by_role(),
         "index_bytes": ex.index_ledger.by_role(),
+        "requests": run["requests"],
         "resumed_groups": sorted(results.resumed_groups),
         "runner": runner,
         "workers": sorted(set(results.workers.values())),

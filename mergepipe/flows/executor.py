@@ -5,7 +5,6 @@ flow's threads or on Dask). The flow submits the groups and takes each result as
 from __future__ import annotations
 
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import as_completed as futures_completed
 from contextlib import contextmanager
 
@@ -13,12 +12,13 @@ from mergepipe.config.request import Runner
 from mergepipe.execute.group import GroupResult
 from mergepipe.flows.orchestration import call_with_retries, in_process
 from mergepipe.flows.runners import layer_task_runner
+from mergepipe.storage.location import ContextPool
 from mergepipe.tasks.merge import merge_layer_group
 
 
 @contextmanager
 def _in_process(params: list[dict], workers: int) -> Iterator[Iterator[tuple[str, GroupResult]]]:
-    with ThreadPoolExecutor(workers) as pool:
+    with ContextPool(workers) as pool:
         futures = {pool.submit(call_with_retries, merge_layer_group, **p): p["group"] for p in params}
         try:
             yield ((futures[f], f.result()) for f in futures_completed(futures))

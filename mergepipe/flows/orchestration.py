@@ -15,6 +15,7 @@ configured. The Dask runner always needs Prefect.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 import inspect
@@ -119,8 +120,13 @@ def _progress_in_run_log(fn: Callable) -> Callable:
     def run(*args: Any, **kwargs: Any) -> Any:
         from prefect.logging import get_run_logger
 
-        with progress.also(progress.PlainReporter(get_run_logger().info)):
-            return fn(*args, **kwargs)
+        def body() -> Any:
+            with progress.also(progress.PlainReporter(get_run_logger().info)):
+                return fn(*args, **kwargs)
+
+        # In a context of its own: the storage options a flow sets are its own (a parent
+        # running several merges keeps each one's).
+        return contextvars.copy_context().run(body)
 
     # Resolved here, in the function's own module: Prefect would resolve the annotations'
     # strings in this one, which does not import their names (Literal).
@@ -133,13 +139,15 @@ def declare_flow(name: str, thread_pool: bool = False) -> Callable[[Callable], D
 
 
 def run_flow(flow: DeclaredFlow, **params: Any) -> Any:
-    """Run a flow: a Prefect flow run, or its plain function in this process."""
+    """Run a flow: a Prefect flow run, or its plain function in this process (in a copy of the
+    caller's context, as a Prefect flow run is: the storage options it sets stay its own)."""
     if in_process() or not use_prefect(params.get("runner", "thread")):
-        token = _in_process.set(True)
-        try:
+
+        def body() -> Any:
+            _in_process.set(True)
             return flow.fn(**params)
-        finally:
-            _in_process.reset(token)
+
+        return contextvars.copy_context().run(body)
     return flow.prefect(**params)
 
 

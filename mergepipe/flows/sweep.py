@@ -11,6 +11,7 @@ from mergepipe.flows.artifacts import create_table_artifact
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
 from mergepipe.plan.saved import PlanRef
+from mergepipe.storage.hub import one_commit_per_run
 from mergepipe.storage.location import join
 from mergepipe.tasks.report import measure_deviation
 
@@ -50,38 +51,40 @@ def budget_sweep(
     budgets = list(budgets)
     if not any(parse_budget(b).is_full for b in budgets):
         budgets.append("100%")
-    rows = []
-    for budget in budgets:
-        r = run_flow(
-            merge,
-            config=config,
-            out=join(out, budget_label(budget)),
-            budget=budget,
-            overwrite=overwrite,
-            catalog=catalog,
-            runner=runner,
-            dask_address=dask_address,
-        )
-        rows.append(
-            {
-                "budget": budget,
-                "budget_bytes": r["budget_bytes"],
-                "expert_bytes_read": r["expert_bytes_read"],
-                "full_expert_bytes": r["full_expert_bytes"],
-                "read_share": 100 * r["expert_bytes_read"] / r["full_expert_bytes"]
-                if r["full_expert_bytes"]
-                else 100.0,
-                "error_bound": r["error_bound"],
-                "bound_guaranteed": r["bound_guaranteed"],
-                "wall_seconds": round(r["wall_seconds"], 3),
-                "digest": r["digest"],
-                "out": r["out"],
-                "plan": PlanRef(r["plan_key"], catalog_location(catalog)),
-            }
-        )
+    with one_commit_per_run():  # every budget merges the same commits
+        rows = [_merge_at(budget, config, out, overwrite, catalog, runner, dask_address) for budget in budgets]
     full = next(row for row, b in zip(rows, budgets) if parse_budget(b).is_full)
     for row in rows:
         row.update(run_task(measure_deviation, row["out"], full["out"], full["plan"]))
         del row["plan"]
     publish_artifact(create_table_artifact, key=SWEEP_KEY, table=rows, description=f"budget sweep of {config}")
     return rows
+
+
+def _merge_at(
+    budget: str, config: str, out: str, overwrite: bool, catalog: str | None, runner: str, dask_address: str | None
+) -> dict:
+    """One budget's merge subflow, and its row of the table."""
+    r = run_flow(
+        merge,
+        config=config,
+        out=join(out, budget_label(budget)),
+        budget=budget,
+        overwrite=overwrite,
+        catalog=catalog,
+        runner=runner,
+        dask_address=dask_address,
+    )
+    return {
+        "budget": budget,
+        "budget_bytes": r["budget_bytes"],
+        "expert_bytes_read": r["expert_bytes_read"],
+        "full_expert_bytes": r["full_expert_bytes"],
+        "read_share": 100 * r["expert_bytes_read"] / r["full_expert_bytes"] if r["full_expert_bytes"] else 100.0,
+        "error_bound": r["error_bound"],
+        "bound_guaranteed": r["bound_guaranteed"],
+        "wall_seconds": round(r["wall_seconds"], 3),
+        "digest": r["digest"],
+        "out": r["out"],
+        "plan": PlanRef(r["plan_key"], catalog_location(catalog)),
+    }

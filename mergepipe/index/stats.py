@@ -15,7 +15,6 @@ import math
 import os
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple
 
@@ -31,6 +30,7 @@ from mergepipe.index.blocks import block_rows, layer_group, row_elems
 from mergepipe.index.family import Family
 from mergepipe.operators.ranges import chunk_blocks, strips
 from mergepipe.storage.canonical import json_bytes, sha256_hex
+from mergepipe.storage.location import ContextPool
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.reader import RangeReader, ReadRequest
 from mergepipe.storage.safetensors_format import DTYPES, decode
@@ -293,8 +293,8 @@ def compute_stats(
     # The next batches are read while this one is measured: a cold disk needs several requests in
     # flight to approach its sequential rate.
     with (
-        ThreadPoolExecutor(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool,
-        ThreadPoolExecutor(READ_AHEAD) as ahead,
+        ContextPool(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool,
+        ContextPool(READ_AHEAD) as ahead,
     ):
         pending = deque(ahead.submit(reader.read_batch, b.requests) for b in batches[:READ_AHEAD])
         for i, batch in enumerate(batches):

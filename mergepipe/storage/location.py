@@ -1,21 +1,29 @@
 """Where bytes live: local paths, or fsspec URIs (s3://bucket/prefix) with their filesystems.
 
-Storage options (credentials, endpoint) are held here for the process and never travel in
-plans, manifests, task parameters or logs: a flow sets them once from its config, and every
-storage call finds them here. Without them, s3fs falls back to the usual AWS environment
-variables (AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, AWS_PROFILE, …) and profiles."""
+Storage options (credentials, endpoint) belong to a merge, not to the process: they are held in
+a context variable, set by the flow that validated its config (or by a task that read them from
+the config's location) for its own context, and never travel in plans, manifests, task
+parameters or logs. Threads that read for a merge run in a copy of its context (ContextPool),
+so two merges in one process (a Dask worker, a sweep) each read with their own. Without
+options, s3fs falls back to the usual AWS environment variables (AWS_ACCESS_KEY_ID,
+AWS_ENDPOINT_URL, AWS_PROFILE, …) and profiles."""
 
 from __future__ import annotations
 
+import contextvars
 import os
 import posixpath
-import threading
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any
 
 from mergepipe.errors import BadInput
 
-_lock = threading.Lock()
-_options: dict[str, Any] = {}
+_options: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar(
+    "mergepipe_storage_options", default=MappingProxyType({})
+)
 
 # Listings must be fresh: a cached listing would hide an object overwritten or deleted since.
 # Uploads go in parts of exactly the writer's block size (storage.remote.open_writer), so what a
@@ -79,22 +87,38 @@ def inside(child: str, parent: str) -> bool:
     return child == parent or child.startswith(parent + "/")
 
 
-def set_storage_options(options: dict[str, Any] | None) -> None:
-    """Options for every remote filesystem this process opens (from a config's storage_options)."""
-    global _options
-    with _lock:
-        _options = dict(options or {})
+def set_storage_options(options: Mapping[str, Any] | None) -> None:
+    """Options for the remote filesystems opened in the calling context from now on (a flow's
+    own context: flows.orchestration runs each flow in a copy of its caller's)."""
+    _options.set(MappingProxyType(dict(options or {})))
+
+
+@contextmanager
+def storage_options(options: Mapping[str, Any] | None) -> Iterator[None]:
+    """These options for the block's storage calls (and the ContextPool threads it starts), the
+    caller's again after it: a task on a shared worker reads with its own merge's options."""
+    token = _options.set(MappingProxyType(dict(options or {})))
+    try:
+        yield
+    finally:
+        _options.reset(token)
+
+
+def current_options() -> dict[str, Any]:
+    return dict(_options.get())
 
 
 def hub_token() -> str | None:
     """The Hub token a config's storage_options give, if any."""
-    with _lock:
-        return _options.get(HUB_TOKEN)
+    return _options.get().get(HUB_TOKEN)
 
 
-def storage_options_set() -> bool:
-    with _lock:
-        return bool(_options)
+class ContextPool(ThreadPoolExecutor):
+    """A thread pool whose calls run in a copy of the submitting thread's context: its storage
+    options (and Prefect's run context) reach the threads that read for it."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        return super().submit(contextvars.copy_context().run, fn, *args, **kwargs)
 
 
 def filesystem(uri: str):
@@ -107,9 +131,8 @@ def filesystem(uri: str):
     except (ImportError, ValueError) as err:
         hint = " (install mergepipe[s3])" if proto in ("s3", "s3a") else ""
         raise BadInput(f"{uri}: no filesystem for {proto}://{hint}: {err}") from None
-    with _lock:
-        opts = {**_DEFAULTS.get(proto, {}), **_options}
-        token = opts.pop(HUB_TOKEN, None)
+    opts = {**_DEFAULTS.get(proto, {}), **_options.get()}
+    token = opts.pop(HUB_TOKEN, None)
     if proto in HTTP:  # exact ranges (no read-ahead blocks); the Hub's token in a header, never in a URL
         from mergepipe.storage.hub import headers_for
 

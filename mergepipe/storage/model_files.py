@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from mergepipe.errors import BadInput
 from mergepipe.storage import remote
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.hub import is_hub
-from mergepipe.storage.location import is_remote, join, normalize, split
+from mergepipe.storage.location import ContextPool, is_remote, join, normalize, split
 from mergepipe.storage.reader import RangeReader, ReadRequest, fingerprint, list_folder, read_small_file, stat
 from mergepipe.storage.safetensors_format import TensorPlace, header_length, parse_header
 
@@ -143,7 +142,7 @@ def read_models(wanted: list[tuple[str, str]], reader: RangeReader, layouts: Lay
     for remote models those are round trips, which then overlap. Layouts are shared as in
     read_model, in the order given; a failure is that of the first model that fails."""
     layouts = {} if layouts is None else layouts
-    with ThreadPoolExecutor(max_workers=max(1, min(MODELS_AT_ONCE, len(wanted))), thread_name_prefix="headers") as pool:
+    with ContextPool(max_workers=max(1, min(MODELS_AT_ONCE, len(wanted))), thread_name_prefix="headers") as pool:
         read = list(pool.map(lambda w: _read_headers(w[0], reader, w[1]), wanted))
     return [_with_layout(model, weight_map, key, layouts) for model, weight_map, key in read]
 

@@ -15,16 +15,16 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage import cache, remote
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
-from mergepipe.storage.location import is_remote, protocol
+from mergepipe.storage.location import ContextPool, is_remote
 
 # What a read returns: a writable buffer of exactly the bytes asked for (a view, for a range read
 # with O_DIRECT).
@@ -90,6 +90,24 @@ def read_small_file(uri: str) -> bytes:
         raise BadInput(f"{uri}: file not found") from None
 
 
+class _Tally(remote.Events):
+    """What a fetch met besides its bytes, in the ledger under the request it was for."""
+
+    def __init__(self, ledger: ByteLedger, wanted: list[tuple[str, int, int]], owner: list[ReadRequest]) -> None:
+        self.ledger, self.wanted, self.owner = ledger, wanted, owner
+
+    def retried(self, positions: list[int]) -> None:
+        for i in positions:
+            self.ledger.add("retry", self.owner[i].model, self.owner[i].file, self.wanted[i][2] - self.wanted[i][1])
+
+    def resolved(self, at: int) -> None:
+        self.ledger.add("resolve", self.owner[at].model, self.owner[at].file, 0)
+
+    def rate_limited(self, at: int | None, seconds: float) -> None:
+        req = self.owner[at] if at is not None else None
+        self.ledger.add("rate_limit", req.model if req else "", req.file if req else "", 0, seconds=seconds)
+
+
 # Batches of remote reads fetched ahead at once by one reader (each with its ranges in flight
 # together): enough to keep a link busy while one batch waits on its slowest range.
 AHEAD_BATCHES = 4
@@ -112,7 +130,7 @@ class RangeReader:
         self._ahead_queue: deque[ReadRequest] = deque()  # given to read_ahead, not fetched yet
         self._ahead: dict[tuple, tuple[Future, int, ReadRequest]] = {}  # key -> (its batch, position)
         self._taken: set[tuple] = set()  # keys read without a read ahead: never fetched ahead after
-        self._ahead_pool: ThreadPoolExecutor | None = None
+        self._ahead_pool: ContextPool | None = None
         self._fds: dict[str, int] = {}
         self._direct_fds: dict[str, int | None] = {}
         self._lock = threading.Lock()
@@ -191,14 +209,12 @@ class RangeReader:
         return out
 
     def _fetch_requests(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
-        """The ranges of these remote requests, fetched concurrently (per protocol)."""
-        by_protocol: dict[str, list[tuple[int, str, int, int]]] = defaultdict(list)
-        for k, req in enumerate(requests):
-            by_protocol[protocol(req.path)].extend((k, req.path, s, e) for s, e in req.ranges)
+        """The ranges of these remote requests, fetched concurrently (storage.remote.fetch
+        serves each host with its own credentials)."""
+        items = [(k, req.path, s, e) for k, req in enumerate(requests) for s, e in req.ranges]
         fetched: list[list[bytearray]] = [[] for _ in requests]
-        for items in by_protocol.values():
-            for (k, *_), data in zip(items, self._fetch(items, requests)):
-                fetched[k].append(data)
+        for (k, *_), data in zip(items, self._fetch(items, requests)):
+            fetched[k].append(data)
         return fetched
 
     def read_ahead(self, requests: list[ReadRequest], first: bool = False) -> None:
@@ -233,7 +249,7 @@ class RangeReader:
         if not batch:
             return
         if self._ahead_pool is None:
-            self._ahead_pool = ThreadPoolExecutor(AHEAD_BATCHES, thread_name_prefix="read-ahead")
+            self._ahead_pool = ContextPool(AHEAD_BATCHES, thread_name_prefix="read-ahead")
         future = self._ahead_pool.submit(self._fetch_requests, list(batch.values()))
         for i, (key, req) in enumerate(batch.items()):
             self._ahead[key] = (future, i, req)
@@ -242,18 +258,15 @@ class RangeReader:
         """The remote ranges (request k, path, start, end), through the local cache of pinned
         commits where there is one (storage.cache): only the parts it does not hold go over the
         network, and what they bring is kept. Counted apart, beside their own role: the bytes
-        the cache served (`cache`), and the ranges asked for again after a failure (`retry`)."""
+        the cache served (`cache`), the ranges asked for again after a failure or a refusal
+        (`retry`), the Hub files resolved (`resolve`) and the rate limits met (`rate_limit`)."""
         root = cache.cache_dir()
         entries = {} if root is None else {p: cache.Entry(root, p) for _, p, _, _ in items if cache.cacheable(p)}
         parts = [cache.missing(entries[p].held(), s, e) if p in entries else [(s, e)] for _, p, s, e in items]
         wanted = [(p, a, b) for (_, p, _, _), ps in zip(items, parts) for a, b in ps]
         owner = [requests[k] for (k, *_), ps in zip(items, parts) for _ in ps]
 
-        def retried(positions: list[int]) -> None:
-            for i in positions:
-                self.ledger.add("retry", owner[i].model, owner[i].file, wanted[i][2] - wanted[i][1])
-
-        got = iter(remote.fetch(wanted, retried))
+        got = iter(remote.fetch(wanted, _Tally(self.ledger, wanted, owner)))
         out = []
         for (k, p, s, e), ps in zip(items, parts):
             new = [(a, next(got)) for a, _ in ps]

@@ -13,14 +13,18 @@ import hashlib
 import logging
 import os
 import random
+import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.storage import hub
 from mergepipe.storage.fingerprints import FileFingerprint
-from mergepipe.storage.location import HTTP, filesystem, fs_path, hub_token, protocol
+from mergepipe.storage.location import HTTP, ContextPool, filesystem, fs_path, hub_token, protocol
 
 log = logging.getLogger("mergepipe.storage")
 
@@ -41,6 +45,15 @@ MAX_PARTS = 10_000
 # Fetched ahead per layer group by default: a fraction of a second of a fast link, so that the
 # link stays busy while the group merges what it read before.
 READ_AHEAD = 64 * 1024 * 1024
+# A rate limit's wait: at least a moment (a 429 that names none), at most ten minutes (the Hub's
+# windows are five), and at most so many in a row for one call before it gives up.
+RATE_LIMIT_WAIT_MIN_S = 0.5
+RATE_LIMIT_WAIT_CAP_S = 600.0
+RATE_LIMIT_WAITS = 20
+# A signed URL is resolved again this long before it says it expires (or a tenth of its life);
+# a range refused by a storage host is read from so many fresh URLs at most.
+STALE_MARGIN_S = 10.0
+REFRESHES = 4
 
 
 class ShortRead(OSError):
@@ -72,18 +85,25 @@ def _botocore_permanent(exc: BaseException) -> bool:
 
 
 def _http_status(exc: BaseException) -> int | None:
-    """The status of an HTTP error response (aiohttp's, as fsspec's HTTP filesystem raises)."""
+    """The status of an HTTP error response: aiohttp's (fsspec's HTTP filesystem raises it) or
+    huggingface_hub's (its error keeps the response)."""
     status = getattr(exc, "status", None)
-    return status if type(exc).__name__ == "ClientResponseError" and isinstance(status, int) else None
+    if type(exc).__name__ == "ClientResponseError" and isinstance(status, int):
+        return status
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    hub_error = any(c.__name__ == "HfHubHTTPError" for c in type(exc).__mro__)
+    return status if hub_error and isinstance(status, int) else None
+
+
+def _headers_of(exc: BaseException | None) -> dict | None:
+    headers = getattr(exc, "headers", None) or getattr(getattr(exc, "response", None), "headers", None)
+    return dict(headers) if headers else None
 
 
 def retry_after(exc: BaseException | None) -> float:
-    """Seconds a 429 or 503 answer asked the client to wait (Retry-After), at most a minute."""
-    headers = getattr(exc, "headers", None) or {}
-    try:
-        return min(60.0, max(0.0, float(headers.get("Retry-After", 0))))
-    except (TypeError, ValueError):
-        return 0.0
+    """Seconds a 429 or 503 answer asked the client to wait (Retry-After, or a RateLimit
+    header's reset), at most RATE_LIMIT_WAIT_CAP_S."""
+    return min(RATE_LIMIT_WAIT_CAP_S, hub.rate_limit_wait(_headers_of(exc)) or 0.0)
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -131,66 +151,253 @@ def backoff(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2**attempt))
 
 
-def retrying(uri: str, what: str, call: Callable[[], T]) -> T:
-    for attempt in range(1, ATTEMPTS + 1):
+class Gate:
+    """A host's rate limit, shared by every request this process sends it: a 429 closes the
+    gate for as long as the answer asks, and every request waits for it to open again, rather
+    than each one trying (and being refused) on its own."""
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self._lock = threading.Lock()
+        self._until = 0.0
+
+    def wait(self) -> None:
+        while True:
+            with self._lock:
+                left = self._until - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(left)
+
+    def hold(self, seconds: float) -> float:
+        """Close the gate for `seconds` from now; returns the wait this adds (0 when the gate
+        was already closed as long), so that the wait is told and counted once."""
+        seconds = min(RATE_LIMIT_WAIT_CAP_S, max(seconds, RATE_LIMIT_WAIT_MIN_S))
+        with self._lock:
+            now = time.monotonic()
+            added = now + seconds - max(self._until, now)
+            if added <= 0:
+                return 0.0
+            self._until = now + seconds
+        who = "the Hub" if hub.on_endpoint(f"{self.host}/") else self.host
+        log.warning("rate-limited by %s: resuming in %.0f s", who, seconds)
+        return added
+
+
+_gates: dict[str, Gate] = {}
+_gates_lock = threading.Lock()
+
+
+def gate(uri: str) -> Gate:
+    """The rate-limit gate of a URL's host (scheme and authority)."""
+    parts = urlsplit(uri)
+    host = f"{parts.scheme}://{parts.netloc}"
+    with _gates_lock:
+        return _gates.setdefault(host, Gate(host))
+
+
+def _rate_limited(exc: BaseException, uri: str, events: Events | None, at: int | None) -> bool:
+    """A 429: the host's gate closed as the answer asks, the answer and the wait it added told
+    to `events`; False for any other error."""
+    if _http_status(exc) != 429:
+        return False
+    added = gate(uri).hold(hub.rate_limit_wait(_headers_of(exc)) or RATE_LIMIT_WAIT_MIN_S)
+    if events is not None:
+        events.rate_limited(at, added)
+    return True
+
+
+def retrying(uri: str, what: str, call: Callable[[], T], events: Events | None = None, at: int | None = None) -> T:
+    """`call`, tried again on transient failures (with backoff) and after rate limits (as long
+    as the server asks, not counted as failures); `events` hears of the rate limits."""
+    attempt = waits = 0
+    while True:
+        if protocol(uri) in HTTP:
+            gate(uri).wait()
         try:
             return call()
         except Exception as exc:
-            if not is_transient(exc) or attempt == ATTEMPTS:
+            if waits < RATE_LIMIT_WAITS and _rate_limited(exc, uri, events, at):
+                waits += 1  # a wait the server asked for, not a failure
+                continue
+            attempt += 1
+            if not is_transient(exc) or attempt >= ATTEMPTS:
                 raise final_error(exc, uri, what) from exc
             log.info("%s: %s: transient %s, retrying", uri, what, type(exc).__name__)
             time.sleep(max(backoff(attempt), retry_after(exc)))
-    raise AssertionError("unreachable")
 
 
-def fetch(items: list[tuple[str, int, int]], on_retry: Callable[[list[int]], None] | None = None) -> list[bytearray]:
+class Events:
+    """What fetch tells its caller besides the bytes, by the position of the item concerned:
+    ranges asked for again after a failure, Hub files resolved (a first time or again), and
+    waits a rate limit imposed. The defaults ignore them."""
+
+    def retried(self, positions: list[int]) -> None: ...
+
+    def resolved(self, at: int) -> None: ...
+
+    def rate_limited(self, at: int | None, seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a Hub file's bytes are read now: `url` (a signed URL when `redirected`), until
+    `stale_at` (time.time(); None when the URL states no expiry)."""
+
+    url: str
+    redirected: bool
+    stale_at: float | None
+
+    def stale(self) -> bool:
+        return self.stale_at is not None and time.time() >= self.stale_at
+
+
+class Locations:
+    """Each Hub file resolved once per process (per token: a signed URL got with one token
+    is never lent to a merge without it), and again when its URL goes stale or is refused.
+    Threads that need the same file at once wait for one resolve."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, str], Located] = {}
+        self._resolving: dict[tuple[str, str], threading.Lock] = {}
+
+    @staticmethod
+    def _key(uri: str, tok: str | None) -> tuple[str, str]:
+        return uri, hashlib.sha256((tok or "").encode()).hexdigest()
+
+    def get(self, uri: str, tok: str | None, events: Events, at: int, refused: Located | None = None) -> Located:
+        """Where to read `uri`; `refused`: the location just refused, resolved again (unless
+        another thread has done so meanwhile)."""
+        key = self._key(uri, tok)
+        with self._lock:
+            held = self._held.get(key)
+            if held is not None and held != refused and not held.stale():
+                return held
+            single = self._resolving.setdefault(key, threading.Lock())
+        with single:
+            with self._lock:
+                held = self._held.get(key)
+            if held is not None and held != refused and not held.stale():
+                return held
+            url = retrying(uri, "resolve", lambda: hub.resolve(uri, tok), events, at)
+            events.resolved(at)
+            expires = hub.expiry(url) if url != uri else None
+            # Refreshed a little before it expires: a tenth of its life, at most STALE_MARGIN_S.
+            margin = 0.0 if expires is None else min(STALE_MARGIN_S, max(0.0, expires - time.time()) / 10)
+            located = Located(url, url != uri, None if expires is None else expires - margin)
+            with self._lock:
+                self._held[key] = located
+            return located
+
+
+LOCATIONS = Locations()
+
+
+def _backend(uri: str) -> tuple:
+    """What one filesystem may serve together: the same scheme, and for HTTP the same host with
+    the same credentials (the Hub's token goes to its endpoint only)."""
+    proto = protocol(uri)
+    if proto in HTTP:
+        return proto, urlsplit(uri).netloc, hub.on_endpoint(uri)
+    return (proto,)
+
+
+def fetch(items: list[tuple[str, int, int]], events: Events | None = None) -> list[bytearray]:
     """The bytes of each (uri, start, end) range, fetched concurrently (at most CONCURRENCY in
-    flight); ranges that fail are fetched again, whole, each time told to `on_retry` (their
-    positions in `items`). All URIs share one protocol."""
+    flight per host and credentials). Hub files are read from where they resolve to (Locations);
+    a signed URL refused by its storage host (expired) is resolved again, once per range, and
+    read again. Ranges that fail are fetched again, whole, each time told to `events`."""
+    events = events or Events()
     if not items:
         return []
-    fs = filesystem(items[0][0])
     out: list[bytearray | None] = [bytearray() if e <= s else None for _, s, e in items]
     todo = [i for i, v in enumerate(out) if v is None]
+    tok = hub.token(hub_token()) if any(hub.resolvable(u) for u, _, _ in items) else None
+    located: dict[str, Located] = {}
+    refused: dict[str, Located] = {}
+    refreshes: dict[int, int] = defaultdict(int)  # per range: URLs resolved anew after a refusal
     last: BaseException | None = None
-    for attempt in range(1, ATTEMPTS + 1):
-        if not todo:
-            break
-        got = fs.cat_ranges(
-            [fs_path(items[i][0]) for i in todo],
-            [items[i][1] for i in todo],
-            [items[i][2] for i in todo],
-            on_error="return",
-            batch_size=CONCURRENCY,
-        )
-        failed = []
-        for i, data in zip(todo, got):
-            uri, start, end = items[i]
-            if isinstance(data, BaseException):
-                if not is_transient(data):
-                    raise final_error(data, uri, f"read of bytes {start}-{end}") from data
-                last = data
-                failed.append(i)
-            elif len(data) != end - start:
-                last = ShortRead(f"got {len(data)} bytes for the {end - start}-byte range {start}-{end}")
-                failed.append(i)
-            else:
-                out[i] = bytearray(data)
-        todo = failed
-        if todo and attempt < ATTEMPTS:
-            log.info("%s: %d ranged reads failed (%s), retrying", items[todo[0]][0], len(todo), type(last).__name__)
-            if on_retry:
-                on_retry(todo)
+    attempt = waits = 0
+    while todo:
+        for i in todo:
+            uri = items[i][0]
+            if hub.resolvable(uri) and (uri not in located or uri in refused or located[uri].stale()):
+                located[uri] = LOCATIONS.get(uri, tok, events, i, refused.pop(uri, None))
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i in todo:
+            groups[_backend(_target(items[i][0], located))].append(i)
+        failed, again, limited = [], [], False
+        for idx in groups.values():
+            first = _target(items[idx[0]][0], located)
+            if protocol(first) in HTTP:
+                gate(first).wait()
+            fs = filesystem(first)
+            got = fs.cat_ranges(
+                [fs_path(_target(items[i][0], located)) for i in idx],
+                [items[i][1] for i in idx],
+                [items[i][2] for i in idx],
+                on_error="return",
+                batch_size=CONCURRENCY,
+            )
+            for i, data in zip(idx, got):
+                uri, start, end = items[i]
+                where = located.get(uri)
+                if isinstance(data, BaseException):
+                    status = _http_status(data)
+                    refusal = where is not None and where.redirected and status in (400, 403)
+                    # Expired (by its clock), or refused: a new resolve gives a fresh URL. Once; again
+                    # only where the fresh one has expired meanwhile (a slow read of short-lived URLs).
+                    if refusal and (not refreshes[i] or (where.stale() and refreshes[i] < REFRESHES)):
+                        refreshes[i] += 1
+                        refused[uri] = where
+                        again.append(i)
+                        continue
+                    if refusal:
+                        raise BadInput(
+                            f"{uri}: the storage host it redirects to refused a freshly resolved URL "
+                            f"({status}, read of bytes {start}-{end})"
+                        ) from data
+                    if _rate_limited(data, _target(uri, located), events, i):
+                        limited = True
+                        again.append(i)
+                        continue
+                    if not is_transient(data):
+                        raise final_error(data, uri, f"read of bytes {start}-{end}") from data
+                    last = data
+                    failed.append(i)
+                elif len(data) != end - start:
+                    last = ShortRead(f"got {len(data)} bytes for the {end - start}-byte range {start}-{end}")
+                    failed.append(i)
+                else:
+                    out[i] = bytearray(data)
+        if again:
+            events.retried(again)
+        if limited:
+            waits += 1
+            if waits > RATE_LIMIT_WAITS:
+                raise MergepipeError(f"{items[again[0]][0]}: still rate-limited after {RATE_LIMIT_WAITS} waits")
+        if failed:
+            attempt += 1
+            if attempt >= ATTEMPTS:
+                uri, start, end = items[failed[0]]
+                raise final_error(last, uri, f"read of bytes {start}-{end}")
+            log.info("%s: %d ranged reads failed (%s), retrying", items[failed[0]][0], len(failed), type(last).__name__)
+            events.retried(failed)
             time.sleep(max(backoff(attempt), retry_after(last)))
-    if todo:
-        uri, start, end = items[todo[0]]
-        raise final_error(last, uri, f"read of bytes {start}-{end}")
+        todo = sorted(again + failed)
     return out  # type: ignore[return-value]
 
 
+def _target(uri: str, located: dict[str, Located]) -> str:
+    where = located.get(uri)
+    return uri if where is None else where.url
+
+
 def pin(uri: str) -> str:
-    """The root URL of the commit a Hub location (hf://ORG/NAME[@REVISION]) names now."""
-    return retrying(uri, "revision lookup", lambda: hub.lookup(uri, hub_token()))
+    """The root URL of the commit a Hub location (hf://ORG/NAME[@REVISION]) names now (or, in a
+    run that pins once, named when the run first looked: hub.one_commit_per_run)."""
+    return hub.pinned(uri, lambda: retrying(uri, "revision lookup", lambda: hub.lookup(uri, hub_token())))
 
 
 def read_ranges(uri: str, ranges: list[tuple[int, int]]) -> list[bytearray]:
@@ -228,7 +435,12 @@ def list_folder(uri: str, names: tuple[str, ...] = ()) -> list[str] | None:
     """Names of the objects directly under a prefix; None when nothing is there. An http(s)
     folder cannot be listed: those of `names` that are there (a pinned Hub commit is listed)."""
     if protocol(uri) in HTTP:
-        return hub.list_folder(uri, names, lambda n: stat(f"{uri.rstrip('/')}/{n}") is not None)
+        listed = hub.list_commit(uri)
+        if listed is not False:
+            return listed  # type: ignore[return-value]
+        with ContextPool(8) as pool:  # asked for by name, in parallel
+            there = list(pool.map(lambda n: stat(f"{uri.rstrip('/')}/{n}") is not None, names))
+        return sorted(n for n, found in zip(names, there) if found) or None
     fs = filesystem(uri)
     path = fs_path(uri).rstrip("/")
 

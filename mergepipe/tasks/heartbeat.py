@@ -3,6 +3,7 @@ of work runs, so that others can tell a live holder from a dead one."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 from collections.abc import Callable, Iterator
@@ -26,7 +27,8 @@ def beating(beat: Callable[[], bool | None], every: float, what: str) -> Iterato
             except Exception as err:
                 log.warning("%s heartbeat failed: %s", what, err)
 
-    thread = threading.Thread(target=run, name=f"{what}-heartbeat", daemon=True)
+    # In the block's context: a lease in an object store is renewed with its merge's credentials.
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(run,), name=f"{what}-heartbeat", daemon=True)
     thread.start()
     try:
         yield

@@ -22,7 +22,7 @@ from mergepipe.publish.checks import changed_inputs
 from mergepipe.publish.manifest import build_manifest, write_manifest, write_output_files
 from mergepipe.storage.lease import Holder, OutputBusy, OutputLease
 from mergepipe.storage.ledger import ByteLedger
-from mergepipe.storage.location import is_remote, set_storage_options, storage_options_set
+from mergepipe.storage.location import is_remote, storage_options
 from mergepipe.storage.staging import staging_at, staging_for
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task, freeze_long_lived
@@ -80,18 +80,18 @@ def merge_layer_group(
     (execute.group.GroupResult). A run resumed after a crash takes the result from the mark
     (execute.group.finished_group) instead of running the group again.
 
-    `options_from`: the config whose storage_options this process needs (a Dask worker has
-    not loaded it); its path travels, never the options. Read once per process, and only that key.
+    `options_from`: the config whose storage_options the group reads with (a Dask worker has
+    not loaded it); its path travels, never the options. Only that key is read, for this task
+    alone: a worker serving several merges reads for each with its own options.
     `memory`: the merge's memory plan (execute.memory.plan_memory), made once by the flow.
     `index`: expert positions indexed from the bytes the merge reads (a first merge)."""
-    if options_from is not None and not storage_options_set():
-        set_storage_options(storage_options_of(options_from))
-    plan, layout = saved.load(saved_plan)
-    freeze_long_lived()
-    where = staging_at(staging)
-    result = merge_group(plan, layout, group, where, memory, index, f"{socket.gethostname()}:{os.getpid()}")
-    where.mark_done(group, result.as_record())
-    return result
+    with storage_options(storage_options_of(options_from) if options_from is not None else None):
+        plan, layout = saved.load(saved_plan)
+        freeze_long_lived()
+        where = staging_at(staging)
+        result = merge_group(plan, layout, group, where, memory, index, f"{socket.gethostname()}:{os.getpid()}")
+        where.mark_done(group, result.as_record())
+        return result
 
 
 @declare_task("write-output-files", **STORAGE_RETRIES)
