@@ -22,6 +22,7 @@ from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 from mergepipe.flows.replay import replay
 from mergepipe.operators import slabs
+from mergepipe.storage import hub as hub_module
 from mergepipe.storage import remote
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.model_files import MANIFEST_FILE
@@ -522,8 +523,15 @@ def test_each_shard_is_resolved_once_and_read_from_its_signed_url(redirecting, f
         _no_token_off_the_hub(hub)
 
 
-def test_urls_that_expire_mid_merge_are_resolved_again(redirecting, family, local_reference, tmp_path):
+@pytest.mark.parametrize("stated", [True, False], ids=["expiry-stated", "expiry-unknown"])
+def test_urls_that_expire_mid_merge_are_resolved_again(
+    redirecting, family, local_reference, tmp_path, monkeypatch, stated
+):
+    """Resolved again before the URL says it expires or, where mergepipe cannot tell (another
+    URL shape, a skewed clock), when the storage host refuses it."""
     hub = redirecting
+    if not stated:
+        monkeypatch.setattr(hub_module, "expiry", lambda url: None)
     hub.url_ttl = 1.0
     hub.rate = 1e6  # a slow link: the merge takes several URL lifetimes
     r = merge(config=str(_hub_config(tmp_path)), out=str(tmp_path / "out"), catalog=str(tmp_path / "c.duckdb"))
@@ -533,7 +541,22 @@ def test_urls_that_expire_mid_merge_are_resolved_again(redirecting, family, loca
     heads = len([s for s in hub.log if s.method == "HEAD" and "/resolve/" in s.path])
     # Each refresh was a resolve of its own, and the run's record counts every one.
     assert heads > shards and r["requests"]["resolves"] == heads
+    if not stated:  # every refresh followed a refusal
+        assert len([s for s in hub.storage_requests() if s.status == 403]) >= heads - shards
     _no_token_off_the_hub(hub)
+
+
+def test_a_storage_host_that_refuses_fresh_urls_fails_the_merge_naming_the_file(
+    redirecting, family, tmp_path, monkeypatch
+):
+    hub = redirecting
+    issue = hub.storage.url
+    # Every URL the Hub issues is one its storage host refuses.
+    monkeypatch.setattr(hub.storage, "url", lambda *a: re.sub(r"Signature=\w+", "Signature=0", issue(*a)))
+    r = CliRunner().invoke(app, ["merge", str(_hub_config(tmp_path)), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 1, r.output
+    assert "refused a freshly resolved URL (403" in r.output and ".safetensors" in r.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_rate_limit_is_not_met_and_when_met_waited_out(redirecting, family, local_reference, tmp_path, caplog):

@@ -328,18 +328,25 @@ def fetch(items: list[tuple[str, int, int]], events: Events | None = None) -> li
         for i in todo:
             groups[_backend(_target(items[i][0], located))].append(i)
         failed, again, limited = [], [], False
-        for idx in groups.values():
+
+        def cat(idx: list[int]) -> list:
             first = _target(items[idx[0]][0], located)
             if protocol(first) in HTTP:
                 gate(first).wait()
-            fs = filesystem(first)
-            got = fs.cat_ranges(
+            return filesystem(first).cat_ranges(
                 [fs_path(_target(items[i][0], located)) for i in idx],
                 [items[i][1] for i in idx],
                 [items[i][2] for i in idx],
                 on_error="return",
                 batch_size=CONCURRENCY,
             )
+
+        if len(groups) == 1:
+            answers = [cat(next(iter(groups.values())))]
+        else:  # each host at once (a Hub's storage host beside a mirror's)
+            with ContextPool(len(groups)) as pool:
+                answers = list(pool.map(cat, groups.values()))
+        for idx, got in zip(groups.values(), answers):
             for i, data in zip(idx, got):
                 uri, start, end = items[i]
                 where = located.get(uri)
@@ -353,8 +360,8 @@ def fetch(items: list[tuple[str, int, int]], events: Events | None = None) -> li
                         refused[uri] = where
                         again.append(i)
                         continue
-                    if refusal:
-                        raise BadInput(
+                    if refusal:  # not the user's input: the Hub gave a URL its storage host refuses
+                        raise MergepipeError(
                             f"{uri}: the storage host it redirects to refused a freshly resolved URL "
                             f"({status}, read of bytes {start}-{end})"
                         ) from data
