@@ -21,6 +21,8 @@ says so:
 
 With --redirect the server answers each resolve of an expert file with a 302 to a storage host of
 its own (another origin, a signed URL), as the Hub does; each run reports the resolves it made.
+With --resolve-limit N (and --resolve-window S, 300 by default) the server answers resolves past N
+per window with 429, as the Hub's resolver quota does; a run that fails records its error.
 
 With --read-ahead-pairs N, after hub_25% the indexed 10% and 25% merges run N more times each
 with reading ahead off (MERGEPIPE_READ_AHEAD=0, `…_no_read_ahead`) and on, alternately, in one
@@ -63,6 +65,8 @@ def main() -> None:
     ap.add_argument("--read-ahead-pairs", type=int, default=0, help="indexed merges with read-ahead off and on")
     ap.add_argument("--no-download", action="store_true", help="leave out the download and cache runs")
     ap.add_argument("--redirect", action="store_true", help="resolves of LFS files answer 302 to a storage host")
+    ap.add_argument("--resolve-limit", type=int, default=None, help="resolves the server allows per window")
+    ap.add_argument("--resolve-window", type=float, default=300.0, help="the rate limit's window, seconds")
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "hub-merge"))
     args = ap.parse_args()
@@ -89,7 +93,12 @@ def main() -> None:
     repos = [f"bench/base={fam.base}"] + [f"bench/e{i}={e}" for i, e in enumerate(fam.experts)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "tests.hub_server", f"{args.rate}:{args.latency}", *repos]
-        + (["--redirect"] if args.redirect else []),
+        + (["--redirect"] if args.redirect else [])
+        + (
+            ["--resolve-limit", str(args.resolve_limit), "--resolve-window", str(args.resolve_window)]
+            if args.resolve_limit
+            else []
+        ),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,
@@ -131,7 +140,10 @@ def main() -> None:
         wire_log()  # forget what came before
         before = resolves()
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except Exception as err:  # noqa: BLE001 - a run that fails (a rate limit outlasted) is a result too
+            out = {"digest": None, "error": f"{type(err).__name__}: {err}"[:500]}
         seconds = time.perf_counter() - t0
         sent = wire_log()
         row = {
@@ -210,6 +222,7 @@ def _save(args, expert_bytes: int, rows: list[dict]) -> dict:
     name += f"_{round(args.latency * 1000)}ms" if args.latency else ""
     name += "_read_ahead" if args.no_download else ""
     name += "_redirect" if args.redirect else ""
+    name += f"_limit_{args.resolve_limit}_per_{args.resolve_window:g}s" if args.resolve_limit else ""
     digests = {r["digest"] for r in rows if r["run"].endswith("10%") or "10%_" in r["run"]}
     result = {
         "family": {
@@ -222,6 +235,7 @@ def _save(args, expert_bytes: int, rows: list[dict]) -> dict:
         "rate_bytes_per_s": args.rate,
         "latency_s": args.latency,
         "redirect": args.redirect,
+        "resolve_limit": [args.resolve_limit, args.resolve_window] if args.resolve_limit else None,
         "rows": rows,
         "same_digest_10%": len(digests) == 1,
     }
