@@ -614,3 +614,17 @@ def test_a_private_base_with_folders_elsewhere_sends_the_token_to_the_hub_only(
             assert base_reads and all(s.status in (200, 206) for s in base_reads)
     finally:
         folders.close()
+
+
+def test_signed_urls_say_when_they_expire_and_429s_how_long_to_wait():
+    assert hub_module.expiry("https://cdn.example/x?Expires=1700000000&Signature=s&Key-Pair-Id=k") == 1700000000
+    s3v4 = "https://b.s3.amazonaws.com/k?X-Amz-Date=20260101T000000Z&X-Amz-Expires=3600&X-Amz-Signature=s"
+    assert hub_module.expiry(s3v4) == 1767225600 + 3600
+    assert hub_module.expiry("https://mirror.example/x") is None
+    assert hub_module.expiry("https://cdn.example/x?Expires=soon") is None
+    # The RateLimit header's reset where nothing remains, else Retry-After.
+    limited = {"RateLimit": '"resolvers";r=0;t=55', "RateLimit-Policy": '"fixed window";"resolvers";q=5000;w=300'}
+    assert hub_module.rate_limit_wait(limited | {"Retry-After": "7"}) == 55
+    assert hub_module.rate_limit_wait({"RateLimit": '"api";r=3;t=55', "retry-after": "7"}) == 7
+    assert hub_module.rate_limit_wait({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
+    assert hub_module.rate_limit_wait({}) is None

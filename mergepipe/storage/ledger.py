@@ -31,8 +31,8 @@ ROLES = (
     "resolve",
     "rate_limit",
 )
-# Roles whose requests are reads of input bytes (the rest count lookups, waits, or writes).
-READ_ROLES = ("header", "base", "expert", "reread", "index", "sidecar", "retry", "compose")
+# Roles whose requests are reads of the inputs' bytes (the rest count lookups, waits, the output).
+READ_ROLES = ("header", "base", "expert", "reread", "index", "sidecar", "retry")
 
 
 class ByteLedger:
