@@ -282,9 +282,12 @@ def merge(
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
     cache: Optional[str] = CacheOpt,
+    no_model_card: bool = typer.Option(
+        False, "--no-model-card", help="Write no README.md model card (as the config's write_model_card: false)."
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Index, plan and merge; publish the output with its manifest."""
+    """Index, plan and merge; publish the output with its manifest and a model card."""
     _use_cache(cache)
 
     def go() -> dict:
@@ -298,6 +301,7 @@ def merge(
             dask_address=dask_address,
             allow_empty=allow_empty,
             memory=memory,
+            model_card=not no_model_card,
         )
         _request(config, **args)
         from mergepipe.flows.merge import merge as merge_flow

@@ -108,9 +108,12 @@ def test_hub_and_https_folders_give_the_local_digest(hub, family, local_referenc
     )
     m = merge(config=str(mirror), out=str(tmp_path / "mirror"), catalog=str(tmp_path / "catalog2.duckdb"))
     assert m["digest"] == local_reference["100%"]["digest"]
-    # Every input records the commit it was read at.
+    # Every input records the commit it was read at, and the model card names them.
     inputs = json.loads((tmp_path / "hub" / MANIFEST_FILE).read_text())["run"]["inputs"]
     assert all(re.search(r"/resolve/[0-9a-f]{40}$", i["root"]) for i in inputs)
+    card = (tmp_path / "hub" / "README.md").read_text()
+    assert "base_model:\n- org/base\n- org/e0\n- org/e1\n- org/e2\n" in card
+    assert f"- base: `hf://org/base` at commit `{hub.repos['org/base'].refs['main']}`" in card
 
 
 def test_a_ten_percent_merge_puts_its_plan_on_the_wire(hub, family, local_reference, tmp_path):

@@ -90,12 +90,14 @@ def build_request(
     run_name: str | None = None,
     allow_empty: bool = False,
     memory: str | None = None,
+    model_card: bool = True,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). The spec's storage options are set
     for the calling context (each flow runs in a context of its own: flows.orchestration).
     `budget` or `max_error` replaces the config's; `allow_empty` (--allow-empty) sets the
-    config's allow_empty. With `out`, the destination is checked (not existing unless
+    config's allow_empty; `model_card=False` (--no-model-card) sets its write_model_card to
+    false. With `out`, the destination is checked (not existing unless
     `overwrite`, not overlapping an input) with the config's storage options."""
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
@@ -114,6 +116,8 @@ def build_request(
             overrides = {"budget": None, "max_error": max_error}
         if allow_empty:
             overrides["allow_empty"] = True
+        if not model_card:
+            overrides["write_model_card"] = False
         with storage_options(None):  # the config itself is read with the environment's credentials
             spec, location = load_spec(config, overrides), str(config)
         set_storage_options(spec.storage_options)

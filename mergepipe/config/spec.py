@@ -212,6 +212,9 @@ class MergeSpec(_Strict):
     # Model ids as mergekit users write them (ORG/NAME, ORG/NAME@REVISION) name Hub models
     # (hf://ORG/NAME) where no local folder of that name lies beside the config.
     hub: bool = False
+    # A model card (README.md) in the output, as mergekit writes one by default. It lies outside
+    # the digest (it names where the inputs were read), so turning it off changes no digest.
+    write_model_card: bool = True
     # fsspec options for object stores (credentials, endpoint_url, …): never shown, saved or hashed.
     storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
 
@@ -372,12 +375,19 @@ class MergeSpec(_Strict):
 
     def content(self) -> dict:
         """The spec as it enters digests: no model locations (inputs are identified by content),
-        no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory or
-        tokenizer_source (they change no byte: the base's tokenizer files are copied either way). rank_by enters
+        no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory,
+        tokenizer_source (they change no byte: the base's tokenizer files are copied either way)
+        or write_model_card (the card lies outside the digest). rank_by enters
         only when it is not the default, so digests from before it existed still hold."""
-        exclude = {"storage_options", "allow_nonfinite", "allow_empty", "memory", "tokenizer_source", "hub"} | (
-            {"rank_by"} if self.rank_by == "delta" else set()
-        )
+        exclude = {
+            "storage_options",
+            "allow_nonfinite",
+            "allow_empty",
+            "memory",
+            "tokenizer_source",
+            "hub",
+            "write_model_card",
+        } | ({"rank_by"} if self.rank_by == "delta" else set())
         exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"

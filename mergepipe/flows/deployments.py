@@ -47,7 +47,7 @@ DEPLOYMENTS = [
     DeploymentSpec(
         "merge",
         "mergepipe.flows.deployments:merge",
-        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory). "
+        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory, model_card). "
         "{date}, {datetime} and {flow_run_name} in out become the run's scheduled date and time and its name.",
     ),
     DeploymentSpec(

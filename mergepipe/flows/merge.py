@@ -108,9 +108,10 @@ def merge(
     dask_address: str | None = None,
     allow_empty: bool = False,
     memory: str | None = None,
+    model_card: bool = True,
 ) -> dict:
     """Index what is missing, plan under the budget, merge layer group by layer group, publish
-    the output with its manifest, and record the run.
+    the output with its manifest and model card, and record the run.
 
     Args:
         config: Path or URI of the merge config (YAML in mergekit's shape).
@@ -130,6 +131,8 @@ def merge(
         allow_empty: Merge even when the budget admits no expert block (the output is the base).
         memory: The merge process's memory budget, a size such as 8GiB (default: the config's
             `memory`, else half the machine's memory).
+        model_card: Write the output's README.md model card (false: none, as the config's
+            `write_model_card: false`).
     """
     begin_attempt()
     t0 = time.perf_counter()
@@ -148,6 +151,7 @@ def merge(
         run_name=run_name,
         allow_empty=allow_empty,
         memory=memory,
+        model_card=model_card,
     )
     with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
         return _index_plan_and_merge(request, started, t0)

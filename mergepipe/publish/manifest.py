@@ -16,6 +16,7 @@ from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.index.blocks import layer_count
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
+from mergepipe.publish.card import CARD_FILE, model_card
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join, normalize, split
@@ -66,9 +67,13 @@ def with_layer_count(config: bytes, n_layers: int) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode()
 
 
-def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger) -> dict:
-    """Index, sidecars and access set into staging; then hash everything. Returns the
-    manifest's `output` section."""
+def write_output_files(
+    plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger
+) -> tuple[dict, dict | None]:
+    """Index, sidecars, access set and model card into staging; then hash everything. Returns
+    the manifest's `output` section, and the card's entry (None without one: the config's
+    `write_model_card: false`), which the manifest keeps in `run`: the card names where the
+    inputs were read, and the digest does not depend on that."""
     staging.put(INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
     n_layers = layer_count(base.tensors)
@@ -92,7 +97,12 @@ def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledge
     for name in [INDEX_FILE, *base.sidecars]:
         digest, size = staging.sha256(name)
         files.append({"file": name, "size": size, "sha256": digest})
-    return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}
+    card = None
+    if plan.spec.get("write_model_card", True):
+        staging.put(CARD_FILE, model_card(plan))
+        digest, size = staging.sha256(CARD_FILE)
+        card = {"file": CARD_FILE, "size": size, "sha256": digest}
+    return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}, card
 
 
 def build_manifest(plan: Plan, output: dict, run: dict) -> dict:
@@ -158,12 +168,13 @@ class Verification:
 
 
 def verify_output(out: str | Path) -> Verification:
-    """Re-hash every file the manifest names; report each that differs."""
+    """Re-hash every file the manifest names (the model card too); report each that differs."""
     manifest = load_manifest(out)
     folder = split(manifest_uri(out))[0]
     result = Verification(str(out), manifest["digest"])
     output = manifest["content"]["output"]
-    for entry in output["shards"] + output["files"]:
+    card = manifest["run"].get("model_card")
+    for entry in output["shards"] + output["files"] + ([card] if card else []):
         path = join(folder, entry["file"])
         found = sha256_uri(path)
         if found is None:
