@@ -549,6 +549,7 @@ def test_urls_that_expire_mid_merge_are_resolved_again(
     _no_token_off_the_hub(hub)
 
 
+@pytest.mark.slow  # it waits out rate-limit windows
 def test_a_storage_host_that_refuses_fresh_urls_fails_the_merge_naming_the_file(
     redirecting, family, tmp_path, monkeypatch
 ):
@@ -562,6 +563,7 @@ def test_a_storage_host_that_refuses_fresh_urls_fails_the_merge_naming_the_file(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the merge tasks retry before it fails
 def test_a_rate_limit_is_not_met_and_when_met_waited_out(redirecting, family, local_reference, tmp_path, caplog):
     hub = redirecting
     cfg = _hub_config(tmp_path)

@@ -159,7 +159,6 @@ def test_base_among_models(tmp_path):
     [
         ("modules", {"text": {}}, "modules: not supported"),
         ("tokenizer", {"source": "union"}, "tokenizer: not supported"),
-        ("chat_template", "chatml", "chat_template: not supported"),
         ("tokenizer_source", "union", "tokenizer_source: only `base`"),
         ("tokenizer_source", "org/other-model", "tokenizer_source: only `base`"),
     ],

@@ -29,6 +29,7 @@ from pydantic import (
 
 from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
+from mergepipe.config.templates import check_chat_template
 from mergepipe.errors import BadInput
 from mergepipe.operators import OPERATORS, declared_parameters, get_operator
 from mergepipe.storage.hub import HUB as HUB_SCHEME
@@ -171,7 +172,6 @@ class OutputSlice(_Strict):
 _UNSUPPORTED_KEYS = {
     "modules": "it merges whole models; use the `models:` or `slices:` form",
     "tokenizer": "the output takes the base's tokenizer, as with `tokenizer_source: base`",
-    "chat_template": "the output takes the base's tokenizer files as they are",
 }
 
 
@@ -189,6 +189,9 @@ class MergeSpec(_Strict):
     out_dtype: DTypeName | None = None
     # Only "base": the base's tokenizer files are copied with its other sidecar files.
     tokenizer_source: Literal["base"] | None = None
+    # The output tokenizer's chat template (config/templates.py): `auto` (the inputs' most
+    # common), a built-in template's name, or a Jinja template; saved as chat_template.jinja.
+    chat_template: str | None = None
     # mergepipe's own keys
     budget: str | int | None = None
     max_error: float | None = None
@@ -251,6 +254,11 @@ class MergeSpec(_Strict):
             if not OPERATORS[data["merge_method"]].needs_base and isinstance(first, dict) and "model" in first:
                 data = {**data, "base_model": first["model"]}
         return data
+
+    @field_validator("chat_template")
+    @classmethod
+    def _chat_template(cls, v: str | None) -> str | None:
+        return None if v is None else check_chat_template(v)
 
     @field_validator("merge_method")
     @classmethod
@@ -377,8 +385,8 @@ class MergeSpec(_Strict):
         """The spec as it enters digests: no model locations (inputs are identified by content),
         no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory,
         tokenizer_source (they change no byte: the base's tokenizer files are copied either way)
-        or write_model_card (the card lies outside the digest). rank_by enters
-        only when it is not the default, so digests from before it existed still hold."""
+        or write_model_card (the card lies outside the digest). rank_by and chat_template enter
+        only when set, so digests from before they existed still hold."""
         exclude = {
             "storage_options",
             "allow_nonfinite",
@@ -387,7 +395,10 @@ class MergeSpec(_Strict):
             "tokenizer_source",
             "hub",
             "write_model_card",
-        } | ({"rank_by"} if self.rank_by == "delta" else set())
+        }
+        # Keys that enter only when set, so that digests from before they existed still hold.
+        exclude |= {"rank_by"} if self.rank_by == "delta" else set()
+        exclude |= {"chat_template"} if self.chat_template is None else set()
         exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"

@@ -19,8 +19,12 @@ CARD_FILE = "README.md"
 LINK = "https://github.com/mergepipe/mergepipe"
 
 
-def _hub_id(uri: str) -> str | None:
-    return parse(uri).repo if is_hub(uri) else None
+def _models(spec: dict) -> list[str]:
+    """The models a config names (the base first, each once), as Hub ids where on the Hub."""
+    named = [spec.get("base_model")]
+    named += [m.get("model") for m in spec.get("models") or []]
+    named += [s.get("model") for sl in spec.get("slices") or [] for s in sl.get("sources") or []]
+    return list(dict.fromkeys(parse(m).repo if is_hub(m) else m for m in named if isinstance(m, str)))
 
 
 def _size(n: int) -> str:
@@ -52,9 +56,8 @@ def model_card(plan: Plan) -> bytes:
     """The card's text: front matter (base_model, library_name, tags), then the method, the
     models (with their pinned commits), the config as given, and the budget, the bytes read,
     the error bound and the plan's digest."""
-    models = [_hub_id(i.uri) or i.uri for i in plan.inputs]
     front = {
-        "base_model": list(dict.fromkeys(models)),
+        "base_model": _models(plan.spec),
         "base_model_relation": "merge",
         "library_name": "transformers",
         "tags": ["merge", "mergepipe"],

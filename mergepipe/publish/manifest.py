@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from mergepipe import __version__
+from mergepipe.config.templates import AUTO, chosen_template, template_of
 from mergepipe.errors import BadInput, DeterminedError
 from mergepipe.index.blocks import layer_count
 from mergepipe.plan.output import OutputLayout
@@ -84,6 +85,7 @@ def write_output_files(
             staging.put(name, with_layer_count(data, n_layers))
         else:
             staging.copy_in(join(base.root, name), name, ledger)
+    template = _write_chat_template(plan, staging, ledger)
     sink = pa.BufferOutputStream()
     pq.write_table(plan.access, sink)
     staging.put(ACCESS_FILE, sink.getvalue().to_pybytes())
@@ -94,7 +96,7 @@ def write_output_files(
             raise DeterminedError(f"{staging.location}: staged {shard.name} has {size} bytes, the layout {shard.size}")
         shards.append({"file": shard.name, "size": size, "sha256": digest})
     files = []
-    for name in [INDEX_FILE, *base.sidecars]:
+    for name in [INDEX_FILE, *base.sidecars, *([template] if template and template not in base.sidecars else [])]:
         digest, size = staging.sha256(name)
         files.append({"file": name, "size": size, "sha256": digest})
     card = None
@@ -103,6 +105,55 @@ def write_output_files(
         digest, size = staging.sha256(CARD_FILE)
         card = {"file": CARD_FILE, "size": size, "sha256": digest}
     return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}, card
+
+
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+
+
+def _read_sidecar(inp, name: str, ledger: ByteLedger) -> bytes | None:
+    if name not in inp.sidecars:
+        return None
+    data = read_small_file(join(inp.root, name))
+    ledger.add("sidecar", inp.role, name, len(data))
+    return data
+
+
+def _json_object(data: bytes | None, where: str) -> dict | None:
+    if data is None:
+        return None
+    try:
+        found = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInput(f"{where}: not valid JSON ({err})") from None
+    return found if isinstance(found, dict) else None
+
+
+def _write_chat_template(plan: Plan, staging: Staging, ledger: ByteLedger) -> str | None:
+    """The config's chat_template into staging as chat_template.jinja, where transformers saves
+    a tokenizer's template and looks for it first; the base's tokenizer_config.json loses its
+    own `chat_template` entry, as a tokenizer re-saved with the new template has none. Returns
+    the file's name, or None where nothing is set (no chat_template; `auto` and no input has one)."""
+    value = plan.spec.get("chat_template")
+    if not value:
+        return None
+    found = []
+    if value == AUTO:  # each model once, the base first
+        for inp in {i.uri: i for i in plan.inputs}.values():
+            config = _read_sidecar(inp, TOKENIZER_CONFIG, ledger)
+            jinja = _read_sidecar(inp, CHAT_TEMPLATE_FILE, ledger)
+            where = join(inp.root, TOKENIZER_CONFIG)
+            found.append(template_of(_json_object(config, where), None if jinja is None else jinja.decode()))
+    template = chosen_template(value, found)
+    if template is None:
+        return None
+    staging.put(CHAT_TEMPLATE_FILE, template.encode())
+    base = plan.inputs[0]
+    config = _json_object(_read_sidecar(base, TOKENIZER_CONFIG, ledger), join(base.root, TOKENIZER_CONFIG))
+    if config is not None and "chat_template" in config:
+        del config["chat_template"]
+        staging.put(TOKENIZER_CONFIG, (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode())
+    return CHAT_TEMPLATE_FILE
 
 
 def build_manifest(plan: Plan, output: dict, run: dict) -> dict:
