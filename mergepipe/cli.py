@@ -285,9 +285,16 @@ def merge(
     no_model_card: bool = typer.Option(
         False, "--no-model-card", help="Write no README.md model card (as the config's write_model_card: false)."
     ),
+    intermediate_dir: Optional[str] = typer.Option(
+        None,
+        "--intermediate-dir",
+        help="For a multi-document config (stages, as mergekit-multi's): where each named stage's output "
+        "goes (DIR/NAME); a stage whose output there verifies is not merged again.",
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
-    """Index, plan and merge; publish the output with its manifest and a model card."""
+    """Index, plan and merge; publish the output with its manifest and a model card. A
+    multi-document config's stages run in the order they need each other (--intermediate-dir)."""
     _use_cache(cache)
 
     def go() -> dict:
@@ -299,15 +306,22 @@ def merge(
             catalog=_catalog(catalog),
             runner=runner,
             dask_address=dask_address,
-            allow_empty=allow_empty,
             memory=memory,
             model_card=not no_model_card,
         )
-        _request(config, **args)
-        from mergepipe.flows.merge import merge as merge_flow
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(merge_flow, config=str(config), **args)
+        if intermediate_dir is not None:
+            if allow_empty:
+                raise BadInput("--allow-empty: give it in the stages' documents (allow_empty: true)")
+            _request(config, intermediate_dir=intermediate_dir, **args)  # the final stage, checked first
+            from mergepipe.flows.stages import merge_stages
+
+            return run_flow(merge_stages, config=str(config), intermediate_dir=intermediate_dir, **args)
+        _request(config, allow_empty=allow_empty, **args)
+        from mergepipe.flows.merge import merge as merge_flow
+
+        return run_flow(merge_flow, config=str(config), allow_empty=allow_empty, **args)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "merge")

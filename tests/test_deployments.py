@@ -49,8 +49,9 @@ def test_each_flow_is_found_where_its_deployment_entrypoint_points():
     from mergepipe.flows.merge import plan
     from mergepipe.flows.orchestration import DeclaredFlow
     from mergepipe.flows.replay import replay
+    from mergepipe.flows.stages import merge_stages
 
-    for declared in (index_family, plan, merge, budget_sweep, replay):
+    for declared in (index_family, plan, merge, budget_sweep, replay, merge_stages):
         assert isinstance(declared, DeclaredFlow)
         flow = declared.prefect
         assert load_flow_from_entrypoint(f"{flow.__module__}.{flow.__name__}") is flow

@@ -12,7 +12,8 @@ from typing import Any
 
 from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
 from mergepipe.config.sizes import parse_budget, parse_size
-from mergepipe.config.spec import MergeSpec, check_parameters, load_spec
+from mergepipe.config.spec import MergeSpec, check_parameters, load_spec, read_documents, stage_output
+from mergepipe.config.stages import stage_documents, stage_names
 from mergepipe.errors import BadInput
 from mergepipe.storage.location import set_storage_options, storage_options
 from mergepipe.storage.writer import check_destination
@@ -53,6 +54,8 @@ class MergeRequest:
     memory: int = 0  # the memory budget in bytes (--memory, the config's memory, or the default)
     memory_given: bool = False  # by --memory or the config, not the default
     out_as_given: str | None = None  # `out` before its templates ({date}, …) were filled in
+    # Of a stage of a multi-document config: the earlier stages it reads, (name, output location).
+    stage_inputs: tuple[tuple[str, str], ...] = ()
 
     @property
     def options_from(self) -> str | None:
@@ -91,13 +94,16 @@ def build_request(
     allow_empty: bool = False,
     memory: str | None = None,
     model_card: bool = True,
+    stage: str | None = None,
+    intermediate_dir: str | None = None,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). The spec's storage options are set
     for the calling context (each flow runs in a context of its own: flows.orchestration).
     `budget` or `max_error` replaces the config's; `allow_empty` (--allow-empty) sets the
     config's allow_empty; `model_card=False` (--no-model-card) sets its write_model_card to
-    false. With `out`, the destination is checked (not existing unless
+    false. With `intermediate_dir` the config may hold stages (config/stages.py): `stage`'s
+    document (None: the final one) is the merge. With `out`, the destination is checked (not existing unless
     `overwrite`, not overlapping an input) with the config's storage options."""
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
@@ -119,12 +125,20 @@ def build_request(
         if not model_card:
             overrides["write_model_card"] = False
         with storage_options(None):  # the config itself is read with the environment's credentials
-            spec, location = load_spec(config, overrides), str(config)
+            spec, location = load_spec(config, overrides, stage, intermediate_dir), str(config)
         set_storage_options(spec.storage_options)
     check_parameters(spec)  # values that depend on tensor names are resolved once headers are read
     destination = None
     if out is not None:
         destination = check_destination(with_run_names(str(out), run_time, run_name), overwrite, spec.model_uris)
+    stage_inputs: tuple[tuple[str, str], ...] = ()
+    if intermediate_dir is not None and location is not None:
+        models = set(spec.model_uris)
+        stage_inputs = tuple(
+            (name, where)
+            for name in sorted(stage_names(stage_documents(read_documents(location), location)))
+            if (where := stage_output(intermediate_dir, name)) in models
+        )
     given = memory_bytes is not None or spec.memory_bytes is not None
     if memory_bytes is None:
         memory_bytes = spec.memory_bytes if spec.memory_bytes is not None else default_memory()
@@ -138,4 +152,5 @@ def build_request(
         memory_bytes,
         given,
         None if out is None else str(out),
+        stage_inputs,
     )

@@ -29,6 +29,7 @@ from pydantic import (
 
 from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
+from mergepipe.config.stages import NAME, stage_documents, stage_names
 from mergepipe.config.templates import check_chat_template
 from mergepipe.errors import BadInput
 from mergepipe.operators import OPERATORS, declared_parameters, get_operator
@@ -497,9 +498,9 @@ def _resolve_location(uri: str, base_dir: str, hub: bool = False) -> str:
     return str(path.resolve())
 
 
-def read_config(path: str | Path) -> Any:
-    """The YAML document of a config (a local file or an s3:// object, read with the
-    environment's credentials)."""
+def read_documents(path: str | Path) -> list[Any]:
+    """The YAML documents of a config (a local file or an s3:// object, read with the
+    environment's credentials): one, or a multi-document config's stages."""
     path = str(path)
     if stat(path) is None and not Path(path).is_dir():
         raise BadInput(f"{path}: config file not found")
@@ -512,16 +513,48 @@ def read_config(path: str | Path) -> Any:
     except OSError as err:
         raise BadInput(f"{path}: cannot read config: {err.strerror or err}") from None
     try:
-        return yaml.safe_load(text)
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as err:
         raise BadInput(f"{path}: not valid YAML: {err}") from None
+    return docs or [None]
 
 
-def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> MergeSpec:
+def read_config(path: str | Path, stage: str | None = None, staged: bool = False) -> Any:
+    """The YAML document of a config; of a multi-document one (`staged`), the stage's (None:
+    the final, unnamed one), without its `name`."""
+    docs = read_documents(path)
+    if len(docs) == 1 and stage is None and not (staged and isinstance(docs[0], dict) and NAME in docs[0]):
+        return docs[0]
+    if not staged:
+        raise BadInput(
+            f"{path}: a multi-document config (stages, as mergekit-multi runs them): give --intermediate-dir, "
+            "where the named stages' outputs go"
+        )
+    stages = stage_documents(docs, str(path))
+    if stage not in stages:
+        raise BadInput(f"{path}: no stage named {stage!r} (stages: {', '.join(sorted(stage_names(stages)))})")
+    return stages[stage]
+
+
+def load_spec(
+    path: str | Path,
+    overrides: dict[str, Any] | None = None,
+    stage: str | None = None,
+    intermediate_dir: str | None = None,
+) -> MergeSpec:
     """Read and validate a config, with `overrides` (command-line values such as the budget)
-    replacing its keys first; relative model paths are taken relative to the config's folder."""
+    replacing its keys first; relative model paths are taken relative to the config's folder.
+    With `intermediate_dir`, the config may hold stages: `stage`'s document (None: the final
+    one), whose models named as stages are those stages' outputs there."""
     path = str(path)
-    data = read_config(path)
+    data = read_config(path, stage, staged=intermediate_dir is not None)
+    earlier: set[str] = set()
+    if intermediate_dir is not None:
+        earlier = stage_names(stage_documents(read_documents(path), path))
+        check_stage_storage_options(path)
+        shared = storage_options_of(path)
+        if shared and isinstance(data, dict) and "storage_options" not in data:
+            data = {**data, "storage_options": shared}
     if overrides and isinstance(data, dict):
         data = {**data, **overrides}
     spec = validate_spec(data, source=path)
@@ -531,6 +564,8 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
         named += [(f"slices[{i}].sources[{j}].model", s.model) for j, s in enumerate(sl.sources)]
         named += [(f"slices[{i}].base_model", sl.base_model)] if sl.base_model else []
     for key, ref in named:
+        if ref in earlier:
+            continue
         where = _resolve_location(ref, base_dir, spec.hub)
         if where.endswith(".safetensors") and stat(join(split(where)[0], INDEX_FILE)) is not None:
             raise BadInput(f"{path}: {key}: {ref!r} is one shard of a sharded model; {MODEL_LOCATION}")
@@ -541,6 +576,8 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
             )
 
     def at(ref: str) -> str:
+        if ref in earlier:  # an earlier stage's output
+            return stage_output(intermediate_dir, ref)
         return _resolve_location(ref, base_dir, spec.hub)
 
     slices = [
@@ -561,12 +598,30 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> Merg
     )
 
 
+def stage_output(intermediate_dir: str, name: str) -> str:
+    """Where a multi-document config's stage `name` is written: intermediate_dir/NAME."""
+    if is_remote(intermediate_dir):
+        return normalize(join(intermediate_dir, name))
+    return str(Path(intermediate_dir, name).resolve())
+
+
 def storage_options_of(path: str | Path) -> dict[str, Any]:
     """The storage_options of a config that a flow has validated already, for a process that has
-    not loaded it (a Dask worker): only that key is read, nothing is validated again."""
-    data = read_config(path)
-    options = data.get("storage_options") if isinstance(data, dict) else None
-    return dict(options) if isinstance(options, dict) else {}
+    not loaded it (a Dask worker): only that key is read, nothing is validated again. The
+    stages of a multi-document config share theirs (stage_storage_options checks it)."""
+    for data in read_documents(path):
+        options = data.get("storage_options") if isinstance(data, dict) else None
+        if isinstance(options, dict) and options:
+            return dict(options)
+    return {}
+
+
+def check_stage_storage_options(path: str | Path) -> None:
+    """The stages of a multi-document config read with one set of storage options: given in
+    one document, or the same in each."""
+    given = [d.get("storage_options") for d in read_documents(path) if isinstance(d, dict) and d.get("storage_options")]
+    if any(g != given[0] for g in given):
+        raise BadInput(f"{path}: storage_options: the stages give different ones; give them once (any stage)")
 
 
 def check_parameters(spec: MergeSpec) -> None:

@@ -1,2 +1,3 @@
-"""Prefect flows that compose the tasks (index_family, plan and merge, replay, budget_sweep), where
-they run (in process or as flow runs; threads or Dask), the deployments and the artifacts."""
+"""Prefect flows that compose the tasks (index_family, plan and merge, replay, budget_sweep,
+merge_stages), where they run (in process or as flow runs; threads or Dask), the deployments and
+the artifacts."""

@@ -30,7 +30,7 @@ from mergepipe.plan import saved
 from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import Plan
-from mergepipe.publish.manifest import MANIFEST_FILE, versions
+from mergepipe.publish.manifest import MANIFEST_FILE, load_manifest, versions
 from mergepipe.storage.hub import commit_roots
 from mergepipe.storage.ledger import ByteLedger, request_counts
 from mergepipe.storage.location import join
@@ -369,6 +369,11 @@ def execute_plan(ex: Execution) -> dict:
             "memory": memory.as_json(),
             "model_card": card,  # outside the digest: it names where the inputs were read
         }
+        if request.stage_inputs:  # the earlier stages of a multi-document config this one read
+            run["stages"] = [
+                {"stage": name, "manifest": join(where, MANIFEST_FILE), "digest": load_manifest(where)["digest"]}
+                for name, where in request.stage_inputs
+            ]
         if ex.first is not None:
             run["indexed_in_merge"] = indexed
         manifest, rows = run_task(

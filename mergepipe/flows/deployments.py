@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from mergepipe.flows import index_family as _index_family
 from mergepipe.flows import merge as _merge
 from mergepipe.flows import replay as _replay
+from mergepipe.flows import stages as _stages
 from mergepipe.flows import sweep as _sweep
 from mergepipe.flows.automations import HEARTBEAT_SECONDS
 
@@ -18,6 +19,7 @@ plan = _merge.plan.prefect
 merge = _merge.merge.prefect
 budget_sweep = _sweep.budget_sweep.prefect
 replay = _replay.replay.prefect
+merge_stages = _stages.merge_stages.prefect
 
 WORK_POOL = "mergepipe-process"
 # The environment of every run (a work pool's job variables; `serve` sets it in its own): flow
@@ -49,6 +51,13 @@ DEPLOYMENTS = [
         "mergepipe.flows.deployments:merge",
         "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory, model_card). "
         "{date}, {datetime} and {flow_run_name} in out become the run's scheduled date and time and its name.",
+    ),
+    DeploymentSpec(
+        "merge-stages",
+        "mergepipe.flows.deployments:merge_stages",
+        "A multi-document config's stages, each a merge subflow, the named ones under intermediate_dir "
+        "(parameters: config, out, intermediate_dir, budget or max_error, overwrite, catalog, runner, dask_address, "
+        "memory, model_card).",
     ),
     DeploymentSpec(
         "sweep",

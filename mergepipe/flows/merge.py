@@ -109,6 +109,8 @@ def merge(
     allow_empty: bool = False,
     memory: str | None = None,
     model_card: bool = True,
+    stage: str | None = None,
+    intermediate_dir: str | None = None,
 ) -> dict:
     """Index what is missing, plan under the budget, merge layer group by layer group, publish
     the output with its manifest and model card, and record the run.
@@ -133,6 +135,9 @@ def merge(
             `memory`, else half the machine's memory).
         model_card: Write the output's README.md model card (false: none, as the config's
             `write_model_card: false`).
+        stage: Of a multi-document config, the stage to merge (none: the final one); its models
+            named as stages are their outputs under intermediate_dir (flows.stages runs them all).
+        intermediate_dir: Where a multi-document config's named stages are written.
     """
     begin_attempt()
     t0 = time.perf_counter()
@@ -152,6 +157,8 @@ def merge(
         allow_empty=allow_empty,
         memory=memory,
         model_card=model_card,
+        stage=stage,
+        intermediate_dir=intermediate_dir,
     )
     with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
         return _index_plan_and_merge(request, started, t0)
