@@ -17,7 +17,9 @@ from typer.testing import CliRunner
 
 from mergepipe.cli import app
 from mergepipe.devtools.synthetic import make_family
+from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
+from mergepipe.flows.replay import replay
 from mergepipe.flows.stages import merge_stages
 from mergepipe.storage.model_files import MANIFEST_FILE
 
@@ -187,3 +189,23 @@ def test_stages_as_prefect_subflows(family, by_hand, tmp_path, prefect_flows):
         config=str(cfg), out=str(tmp_path / "out"), intermediate_dir=str(tmp_path / "i"), catalog=str(tmp_path / "c")
     )
     assert r["digest"] == by_hand[1] and r["flow_run_id"]
+
+
+def test_a_replay_of_the_final_output_replays_the_chain(family, by_hand, tmp_path):
+    cfg = _staged(tmp_path, family)
+    inter, out, catalog = tmp_path / "inter", tmp_path / "out", str(tmp_path / "c.duckdb")
+    merge_stages(config=str(cfg), out=str(out), intermediate_dir=str(inter), catalog=catalog)
+    same = replay(manifest=str(out), out=str(tmp_path / "again"), catalog=catalog)
+    assert same["digest"] == by_hand[1] and same["stages"][0]["replayed"] is False
+    shard = inter / "soup" / "model.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    r = replay(manifest=str(out), out=str(tmp_path / "replayed"), catalog=catalog)
+    assert r["stages"] == [{"stage": "soup", "out": str(inter / "soup"), "digest": by_hand[0], "replayed": True}]
+    assert r["digest"] == by_hand[1]
+    for p in (inter / "soup").iterdir():
+        if p.is_file():
+            p.unlink()
+    with pytest.raises(BadInput, match="stage 'soup' is gone with its manifest"):
+        replay(manifest=str(out), out=str(tmp_path / "gone"), catalog=catalog)

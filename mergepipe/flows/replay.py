@@ -10,12 +10,12 @@ from mergepipe.config.spec import validate_spec
 from mergepipe.errors import BadInput
 from mergepipe.flows.automations import begin_attempt
 from mergepipe.flows.common import Execution, execute_plan, flow_run_id, now, run_index
-from mergepipe.flows.orchestration import declare_flow
+from mergepipe.flows.orchestration import declare_flow, run_flow
 from mergepipe.plan import saved
 from mergepipe.plan.record import build_plan
 from mergepipe.publish.checks import check_commits
-from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri
-from mergepipe.storage.location import set_storage_options
+from mergepipe.publish.manifest import load_access_set, load_manifest, manifest_uri, verified_digest
+from mergepipe.storage.location import set_storage_options, split
 from mergepipe.tasks.merge import holding_output
 
 
@@ -30,7 +30,9 @@ def replay(
     memory: str | None = None,
 ) -> dict:
     """Re-execute a manifest's access set without planning again, and publish it only if it
-    reproduces the manifest's digest.
+    reproduces the manifest's digest. The final output of a multi-document config names the
+    stages it read (run.stages): those whose outputs no longer verify are replayed first, into
+    their own places.
 
     Args:
         manifest: A published output (its folder or prefix) or its mergepipe-manifest.json.
@@ -51,12 +53,51 @@ def replay(
     # credentials and endpoint (AWS_* variables, profiles).
     set_storage_options(None)
     recorded = load_manifest(manifest)
+    stages = _replay_stages(recorded, catalog, runner, dask_address, memory)
     spec = validate_spec(recorded["run"]["spec"], source=manifest_uri(manifest))
     request = build_request(
         spec, out=out, overwrite=overwrite, catalog=catalog, runner=runner, dask_address=dask_address, memory=memory
     )
     with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
-        return _replay(request, recorded, manifest, started, t0)
+        result = _replay(request, recorded, manifest, started, t0)
+    return {**result, "stages": stages} if stages else result
+
+
+def _replay_stages(
+    recorded: dict, catalog: str | None, runner: str, dask_address: str | None, memory: str | None
+) -> list[dict]:
+    """The earlier stages of a multi-document config that the merge read (its run.stages),
+    replayed first, into their own places, where their outputs no longer verify: a replay of
+    the final output replays the chain."""
+    rows = []
+    for stage in recorded["run"].get("stages") or []:
+        where = split(stage["manifest"])[0]
+        if verified_digest(where) == stage["digest"]:
+            rows.append({"stage": stage["stage"], "out": where, "digest": stage["digest"], "replayed": False})
+            continue
+        try:
+            digest = load_manifest(where)["digest"]
+        except BadInput:
+            raise BadInput(
+                f"{where}: the output of stage {stage['stage']!r} is gone with its manifest; "
+                "merge the config's stages again"
+            ) from None
+        if digest != stage["digest"]:
+            raise BadInput(
+                f"{where}: holds another merge of stage {stage['stage']!r} (digest {digest}, the merge read {stage['digest']})"
+            )
+        r = run_flow(
+            replay,
+            manifest=where,
+            out=where,
+            overwrite=True,
+            catalog=catalog,
+            runner=runner,
+            dask_address=dask_address,
+            memory=memory,
+        )
+        rows.append({"stage": stage["stage"], "out": where, "digest": r["digest"], "replayed": True})
+    return rows
 
 
 def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, t0: float) -> dict:

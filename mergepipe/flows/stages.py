@@ -9,21 +9,11 @@ from typing import Literal
 
 from mergepipe.config.spec import read_documents, stage_output
 from mergepipe.config.stages import stage_documents, stage_order
-from mergepipe.errors import BadInput
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, run_flow
-from mergepipe.publish.manifest import verify_output
+from mergepipe.publish.manifest import verified_digest
 from mergepipe.storage.hub import one_commit_per_run
 from mergepipe.storage.location import normalize
-
-
-def _verified(out: str) -> str | None:
-    """The digest of a published output whose files all match its manifest, else None."""
-    try:
-        check = verify_output(out)
-    except BadInput:  # no manifest there (never published, or not an output)
-        return None
-    return check.digest if check.ok else None
 
 
 @declare_flow("merge-stages")
@@ -65,7 +55,7 @@ def merge_stages(
     with one_commit_per_run():  # every stage reads the same commits of a Hub model
         for name in stage_order(stages, config):
             where = normalize(out) if name is None else stage_output(intermediate_dir, name)
-            if name is not None and (digest := _verified(where)) is not None:
+            if name is not None and (digest := verified_digest(where)) is not None:
                 rows.append({"stage": name, "out": where, "digest": digest, "skipped": True})
                 continue
             result = run_flow(

@@ -218,6 +218,16 @@ class Verification:
         self.problems.append(msg)
 
 
+def verified_digest(out: str | Path) -> str | None:
+    """The digest of a published output whose files all match its manifest, else None (no
+    manifest there, or a file that differs)."""
+    try:
+        check = verify_output(out)
+    except BadInput:
+        return None
+    return check.digest if check.ok else None
+
+
 def verify_output(out: str | Path) -> Verification:
     """Re-hash every file the manifest names (the model card too); report each that differs."""
     manifest = load_manifest(out)
