@@ -103,8 +103,8 @@ def build_request(
     `budget` or `max_error` replaces the config's; `allow_empty` (--allow-empty) sets the
     config's allow_empty; `model_card=False` (--no-model-card) sets its write_model_card to
     false. With `intermediate_dir` the config may hold stages (config/stages.py): `stage`'s
-    document (None: the final one) is the merge. With `out`, the destination is checked (not existing unless
-    `overwrite`, not overlapping an input) with the config's storage options."""
+    document (None: the final one) is the merge. With `out`, the destination is checked (not
+    existing unless `overwrite`, not overlapping an input) with the config's storage options."""
     if budget is not None and max_error is not None:
         raise BadInput("--budget and --max-error: give one, not both")
     if budget is not None:

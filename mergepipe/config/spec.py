@@ -527,8 +527,8 @@ def read_config(path: str | Path, stage: str | None = None, staged: bool = False
         return docs[0]
     if not staged:
         raise BadInput(
-            f"{path}: a multi-document config (stages, as mergekit-multi runs them): give --intermediate-dir, "
-            "where the named stages' outputs go"
+            f"{path}: a multi-document config (stages, as mergekit-multi runs them): merge it with "
+            "--intermediate-dir, where the named stages' outputs go"
         )
     stages = stage_documents(docs, str(path))
     if stage not in stages:
