@@ -11,17 +11,6 @@ from mergepipe.errors import BadInput
 NAME = "name"
 
 
-def _refs(doc: dict) -> list[str]:
-    """The model references of a document (base, models, slices' sources and bases)."""
-    refs = [doc.get("base_model")]
-    refs += [m.get("model") for m in doc.get("models") or [] if isinstance(m, dict)]
-    for sl in doc.get("slices") or []:
-        if isinstance(sl, dict):
-            refs += [sl.get("base_model")]
-            refs += [s.get("model") for s in sl.get("sources") or [] if isinstance(s, dict)]
-    return [r for r in refs if isinstance(r, str)]
-
-
 def stage_documents(docs: list[Any], source: str) -> dict[str | None, dict]:
     """The documents by stage name (None: the final one), checked: each a mapping, names unique
     strings, exactly one unnamed."""
@@ -43,12 +32,11 @@ def stage_documents(docs: list[Any], source: str) -> dict[str | None, dict]:
     return stages
 
 
-def stage_order(stages: dict[str | None, dict], source: str) -> list[str | None]:
-    """The stages in an order where each runs after those it names as models (documents'
-    order where free), the final one last; a cycle is refused naming its stages."""
-    needs = {
-        name: [r for r in dict.fromkeys(_refs(doc)) if r in stages and r is not None] for name, doc in stages.items()
-    }
+def stage_order(models: dict[str | None, list[str]], source: str) -> list[str | None]:
+    """The stages (by name, None the final one; each with the models its document names) in an
+    order where each runs after those it names as models (documents' order where free), the
+    final one last; a cycle is refused naming its stages."""
+    needs = {name: [m for m in named if m in models and m is not None] for name, named in models.items()}
     order: list[str | None] = []
     state: dict[str | None, str] = {}
 
@@ -64,7 +52,7 @@ def stage_order(stages: dict[str | None, dict], source: str) -> list[str | None]
         state[name] = "done"
         order.append(name)
 
-    for name in stages:
+    for name in models:
         visit(name, [])
     order.remove(None)  # a stage nothing needs runs too, before the final one
     return [*order, None]

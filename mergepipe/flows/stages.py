@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from mergepipe.config.spec import read_documents, stage_output
+from mergepipe.config.spec import read_documents, stage_output, validate_spec
 from mergepipe.config.stages import stage_documents, stage_order
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, run_flow
@@ -51,9 +51,13 @@ def merge_stages(
         model_card: Write each output's README.md model card.
     """
     stages = stage_documents(read_documents(config), config)
+    named = {
+        name: validate_spec(doc, source=f"{config}, stage {name or '(final)'}").model_uris
+        for name, doc in stages.items()
+    }
     rows, final = [], None
     with one_commit_per_run():  # every stage reads the same commits of a Hub model
-        for name in stage_order(stages, config):
+        for name in stage_order(named, config):
             where = normalize(out) if name is None else stage_output(intermediate_dir, name)
             if name is not None and (digest := verified_digest(where)) is not None:
                 rows.append({"stage": name, "out": where, "digest": digest, "skipped": True})

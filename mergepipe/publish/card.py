@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import yaml
 
-from mergepipe.config.spec import MergeSpec
+from mergepipe.config.spec import MergeSpec, validate_spec
 from mergepipe.plan.record import Plan
 from mergepipe.storage.hub import commit_of, is_hub, parse
 from mergepipe.storage.model_files import MANIFEST_FILE
@@ -21,10 +21,8 @@ LINK = "https://github.com/mergepipe/mergepipe"
 
 def _models(spec: dict) -> list[str]:
     """The models a config names (the base first, each once), as Hub ids where on the Hub."""
-    named = [spec.get("base_model")]
-    named += [m.get("model") for m in spec.get("models") or []]
-    named += [s.get("model") for sl in spec.get("slices") or [] for s in sl.get("sources") or []]
-    return list(dict.fromkeys(parse(m).repo if is_hub(m) else m for m in named if isinstance(m, str)))
+    named = validate_spec(spec, source="the plan's spec").model_uris
+    return list(dict.fromkeys(parse(m).repo if is_hub(m) else m for m in named))
 
 
 def _size(n: int) -> str:
