@@ -29,6 +29,14 @@ _BARE = re.compile(r"^\s*[0-9]+(?:\.[0-9]+)?\s*$")
 _PERCENT = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*%\s*$")
 
 
+def format_size(n: int) -> str:
+    """A byte count in the largest binary unit it reaches (GiB, MiB, KiB), two decimals."""
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
 def parse_size(value: str | int, *, key: str) -> int:
     """Bytes from an int or a string with a decimal (KB, MB) or binary (KiB, MiB) unit."""
     if isinstance(value, bool):

@@ -519,10 +519,9 @@ def read_documents(path: str | Path) -> list[Any]:
     return docs or [None]
 
 
-def read_config(path: str | Path, stage: str | None = None, staged: bool = False) -> Any:
-    """The YAML document of a config; of a multi-document one (`staged`), the stage's (None:
-    the final, unnamed one), without its `name`."""
-    docs = read_documents(path)
+def _document(docs: list[Any], path: str, stage: str | None, staged: bool) -> Any:
+    """A config's document; of a multi-document one (`staged`), the stage's (None: the final,
+    unnamed one), without its `name`."""
     if len(docs) == 1 and stage is None and not (staged and isinstance(docs[0], dict) and NAME in docs[0]):
         return docs[0]
     if not staged:
@@ -547,12 +546,12 @@ def load_spec(
     With `intermediate_dir`, the config may hold stages: `stage`'s document (None: the final
     one), whose models named as stages are those stages' outputs there."""
     path = str(path)
-    data = read_config(path, stage, staged=intermediate_dir is not None)
+    docs = read_documents(path)
+    data = _document(docs, path, stage, staged=intermediate_dir is not None)
     earlier: set[str] = set()
     if intermediate_dir is not None:
-        earlier = stage_names(stage_documents(read_documents(path), path))
-        check_stage_storage_options(path)
-        shared = storage_options_of(path)
+        earlier = stage_names(stage_documents(docs, path))
+        shared = _shared_options(docs, path)
         if shared and isinstance(data, dict) and "storage_options" not in data:
             data = {**data, "storage_options": shared}
     if overrides and isinstance(data, dict):
@@ -605,23 +604,20 @@ def stage_output(intermediate_dir: str, name: str) -> str:
     return str(Path(intermediate_dir, name).resolve())
 
 
-def storage_options_of(path: str | Path) -> dict[str, Any]:
-    """The storage_options of a config that a flow has validated already, for a process that has
-    not loaded it (a Dask worker): only that key is read, nothing is validated again. The
-    stages of a multi-document config share theirs (stage_storage_options checks it)."""
-    for data in read_documents(path):
-        options = data.get("storage_options") if isinstance(data, dict) else None
-        if isinstance(options, dict) and options:
-            return dict(options)
-    return {}
-
-
-def check_stage_storage_options(path: str | Path) -> None:
-    """The stages of a multi-document config read with one set of storage options: given in
-    one document, or the same in each."""
-    given = [d.get("storage_options") for d in read_documents(path) if isinstance(d, dict) and d.get("storage_options")]
+def _shared_options(docs: list[Any], path: str) -> dict[str, Any]:
+    """The storage_options of a config's documents: the stages of a multi-document one read
+    with one set, given in one document or the same in each."""
+    given = [d["storage_options"] for d in docs if isinstance(d, dict) and isinstance(d.get("storage_options"), dict)]
+    given = [g for g in given if g]
     if any(g != given[0] for g in given):
         raise BadInput(f"{path}: storage_options: the stages give different ones; give them once (any stage)")
+    return dict(given[0]) if given else {}
+
+
+def storage_options_of(path: str | Path) -> dict[str, Any]:
+    """The storage_options of a config that a flow has validated already, for a process that has
+    not loaded it (a Dask worker): only that key is read, nothing is validated again."""
+    return _shared_options(read_documents(path), str(path))
 
 
 def check_parameters(spec: MergeSpec) -> None:

@@ -80,9 +80,7 @@ def write_output_files(
     n_layers = layer_count(base.tensors)
     for name in base.sidecars:
         if name == CONFIG_FILE and plan.spec.get("slices"):
-            data = read_small_file(join(base.root, name))
-            ledger.add("sidecar", "base", name, len(data))
-            staging.put(name, with_layer_count(data, n_layers))
+            staging.put(name, with_layer_count(_read_sidecar(base, name, ledger), n_layers))
         else:
             staging.copy_in(join(base.root, name), name, ledger)
     template = _write_chat_template(plan, staging, ledger)
@@ -137,19 +135,21 @@ def _write_chat_template(plan: Plan, staging: Staging, ledger: ByteLedger) -> st
     value = plan.spec.get("chat_template")
     if not value:
         return None
+    base = plan.inputs[0]
+    configs = {base.uri: _json_object(_read_sidecar(base, TOKENIZER_CONFIG, ledger), join(base.root, TOKENIZER_CONFIG))}
     found = []
     if value == AUTO:  # each model once, the base first
         for inp in {i.uri: i for i in plan.inputs}.values():
-            config = _read_sidecar(inp, TOKENIZER_CONFIG, ledger)
+            if inp.uri not in configs:
+                where = join(inp.root, TOKENIZER_CONFIG)
+                configs[inp.uri] = _json_object(_read_sidecar(inp, TOKENIZER_CONFIG, ledger), where)
             jinja = _read_sidecar(inp, CHAT_TEMPLATE_FILE, ledger)
-            where = join(inp.root, TOKENIZER_CONFIG)
-            found.append(template_of(_json_object(config, where), None if jinja is None else jinja.decode()))
+            found.append(template_of(configs[inp.uri], None if jinja is None else jinja.decode()))
     template = chosen_template(value, found)
     if template is None:
         return None
     staging.put(CHAT_TEMPLATE_FILE, template.encode())
-    base = plan.inputs[0]
-    config = _json_object(_read_sidecar(base, TOKENIZER_CONFIG, ledger), join(base.root, TOKENIZER_CONFIG))
+    config = configs[base.uri]
     if config is not None and "chat_template" in config:
         del config["chat_template"]
         staging.put(TOKENIZER_CONFIG, (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode())
