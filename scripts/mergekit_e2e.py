@@ -345,6 +345,22 @@ base_model: TheBloke/Llama-2-13B-fp16
 dtype: float32
 """
 
+# Without a base_model (mergekit's multislerp base is optional): every model is an input.
+CONFIGS["multislerp_no_base"] = """\
+models:
+  - model: TheBloke/Llama-2-13B-fp16
+    parameters:
+      weight: 0.4
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 0.3
+  - model: WizardLM/WizardMath-13B-V1.0
+    parameters:
+      weight: [0.1, 0.5]
+merge_method: multislerp
+dtype: float32
+"""
+
 CONFIGS["sce"] = """\
 models:
   - model: psmathur/orca_mini_v3_13b

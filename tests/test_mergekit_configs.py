@@ -269,6 +269,30 @@ def test_mergekit_configs_run_unchanged_and_give_mergekit_bytes(case, tmp_path, 
     assert_bit_identical(tmp_path / "out", load_file(E2E / case["expected"]))
 
 
+def test_multislerp_without_a_base_merges_every_model_and_replays(tmp_path, session_catalog):
+    """mergekit's multislerp base is optional: without one the first model is an input too and
+    nothing is subtracted (the fixture above pins the bytes). That is recorded with the spec, so
+    it is not the digest of naming the first model as the base, and a replay merges the same way."""
+    from mergepipe.flows.merge import merge
+    from mergepipe.flows.replay import replay
+    from mergepipe.storage.model_files import MANIFEST_FILE
+
+    from .helpers import assert_bit_identical
+
+    config = yaml.safe_load((E2E / "multislerp_no_base.yml").read_text())
+    for entry in config["models"]:
+        entry["model"] = str(E2E / entry["model"])
+    (tmp_path / "implicit.yml").write_text(yaml.safe_dump(config))
+    (tmp_path / "named.yml").write_text(yaml.safe_dump({**config, "base_model": config["models"][0]["model"]}))
+    implicit, named = load_spec(tmp_path / "implicit.yml"), load_spec(tmp_path / "named.yml")
+    assert implicit.implicit_base and implicit.base_model == named.base_model and not named.implicit_base
+    assert implicit.content() != named.content()
+    a = merge(config=str(tmp_path / "implicit.yml"), out=str(tmp_path / "a"), catalog=session_catalog)
+    again = replay(manifest=str(tmp_path / "a" / MANIFEST_FILE), out=str(tmp_path / "b"), catalog=session_catalog)
+    assert again["digest"] == a["digest"]
+    assert_bit_identical(tmp_path / "b", load_file(E2E / "expected" / "multislerp_no_base.safetensors"))
+
+
 def test_mergekit_ties_example_verbatim(tmp_path, session_catalog):
     """mergekit's examples/ties.yml as published (dtype float16). mergekit computes in float16;
     mergepipe rounds the inputs to float16 and computes in fp32. Most elements agree to within a

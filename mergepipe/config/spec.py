@@ -181,6 +181,10 @@ class MergeSpec(_Strict):
     # mergekit's linear takes no base; a config without one, for a method that needs none, uses
     # its first model as the reference that deltas are taken against (the _default_base validator).
     base_model: str
+    # Set by _default_base where a method whose base is optional (multislerp) was given none: the
+    # first model is then the reference and an input, and no base is subtracted (mergekit passes
+    # no base tensor). Recorded with the spec, so that a replay merges the same way.
+    implicit_base: bool = False
     models: list[ModelEntry] = Field(default_factory=list)
     # mergekit's other form: the output's layers as a sequence of slices of the models' layers
     # (config/views.py turns them into what each input of the merge reads).
@@ -252,8 +256,9 @@ class MergeSpec(_Strict):
             if not models and isinstance(slices, list) and slices and isinstance(slices[0], dict):
                 models = slices[0].get("sources")  # mergekit takes the first source as the reference
             first = models[0] if isinstance(models, list) and models else None
-            if not OPERATORS[data["merge_method"]].needs_base and isinstance(first, dict) and "model" in first:
-                data = {**data, "base_model": first["model"]}
+            op = OPERATORS[data["merge_method"]]
+            if not op.needs_base and isinstance(first, dict) and "model" in first:
+                data = {**data, "base_model": first["model"]} | ({"implicit_base": True} if op.base_optional else {})
         return data
 
     @field_validator("chat_template")
@@ -386,8 +391,8 @@ class MergeSpec(_Strict):
         """The spec as it enters digests: no model locations (inputs are identified by content),
         no storage options (they may hold credentials), no allow_nonfinite, allow_empty, memory,
         tokenizer_source (they change no byte: the base's tokenizer files are copied either way)
-        or write_model_card (the card lies outside the digest). rank_by and chat_template enter
-        only when set, so digests from before they existed still hold."""
+        or write_model_card (the card lies outside the digest). rank_by, chat_template and
+        implicit_base enter only when set, so digests from before they existed still hold."""
         exclude = {
             "storage_options",
             "allow_nonfinite",
@@ -400,6 +405,7 @@ class MergeSpec(_Strict):
         # Keys that enter only when set, so that digests from before they existed still hold.
         exclude |= {"rank_by"} if self.rank_by == "delta" else set()
         exclude |= {"chat_template"} if self.chat_template is None else set()
+        exclude |= set() if self.implicit_base else {"implicit_base"}
         exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"

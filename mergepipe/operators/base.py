@@ -245,6 +245,10 @@ class Operator(ABC):
     needs_base: ClassVar[bool] = True
     # The base's own entry among `models:` is a weighted input (linear).
     base_weighted: ClassVar[bool] = False
+    # mergekit's base is optional (multislerp's base_tensor): a config without base_model merges
+    # every model as an input, weighted by its entry, the first one at BASE_AT (spec.implicit_base),
+    # and the method works on the tensors themselves (params.base is set then, else None).
+    base_optional: ClassVar[bool] = False
     # A zero coefficient makes the expert's delta contribute exactly nothing (a signed zero at
     # most), so the planner never reads such a pair: e.g. mergekit's `weight: 0` catch-alls.
     zero_coefficient_unused: ClassVar[bool] = False

@@ -1,6 +1,8 @@
 """multislerp (mergekit 0.1.5): barycentric spherical interpolation of the experts' deltas. Their
 directions are averaged with the weights, the average projected back onto the sphere through
 the tangent space there, and scaled by the weighted mean of their norms; then added to the base.
+Without a base_model (mergekit's base is optional) every model is an input, the first one too,
+and the same interpolation runs on the tensors themselves.
 
 Under a budget an omitted block is a zero delta there, which changes that expert's norm and
 direction over the whole tensor: no bound is claimed, and pairs are ranked by w_k·‖Δ‖
@@ -14,7 +16,16 @@ from __future__ import annotations
 
 from mergepipe import torch
 from mergepipe.errors import BadInput
-from mergepipe.operators.base import WEIGHT, ExpertSource, MergeParams, Operator, Parameter, TensorContext, flag
+from mergepipe.operators.base import (
+    BASE_AT,
+    WEIGHT,
+    ExpertSource,
+    MergeParams,
+    Operator,
+    Parameter,
+    TensorContext,
+    flag,
+)
 from mergepipe.operators.reductions import fixed_norm, fixed_sum
 
 
@@ -25,37 +36,53 @@ def _per_row(x: torch.Tensor, reduce) -> torch.Tensor:
 class MultiSlerp(Operator):
     name = "multislerp"
     parameters = (WEIGHT, flag("normalize_weights", True), Parameter("eps", default=1e-8))
+    needs_base = False
+    base_optional = True
     expert_passes = 2  # the deltas are stacked
     work_buffers_per_expert = 5  # each expert, the stacked deltas, their directions, the tangents, a product
 
     def _weights(self, params: MergeParams) -> torch.Tensor:
-        weights = torch.tensor(params["weight"], dtype=torch.float32)
+        """Every input's weight in mergekit's order: the experts', with the base's at BASE_AT
+        when the base is an input (no base_model)."""
+        weights = list(params["weight"])
+        if params.base is not None:
+            weights.insert(params.get(BASE_AT, 0), params.base_value("weight"))
+        weights = torch.tensor(weights, dtype=torch.float32)
         return weights / weights.sum() if params["normalize_weights"] else weights
 
     def coefficients(self, params: MergeParams) -> list[float]:
-        return [abs(float(w)) for w in self._weights(params)]
+        weights = [abs(float(w)) for w in self._weights(params)]
+        if params.base is not None:
+            del weights[params.get(BASE_AT, 0)]
+        return weights
 
     def merge_source(
         self, base: torch.Tensor, experts: ExpertSource, params: MergeParams, ctx: TensorContext
     ) -> torch.Tensor:
-        k, eps = len(experts), params["eps"]
+        eps, inputs = params["eps"], [experts[i] for i in range(len(experts))]
+        origin = params.base is None  # the base is the origin; without one, the tensors themselves
+        if not origin:
+            inputs.insert(params.get(BASE_AT, 0), base)
+        k = len(inputs)
         if k == 1:
-            return experts[0]
-        deltas = torch.stack([experts[i] for i in range(k)], dim=0)
-        deltas -= base
+            return inputs[0]
+        deltas = torch.stack(inputs, dim=0)
+        if origin:
+            deltas -= base
         flat = deltas.view(k, -1)
         weights = self._weights(params)
         norms = _per_row(flat, fixed_norm)
         units = flat / (norms + eps)
         mean = (units * weights.view(-1, 1)).sum(0)
         mean_norm = fixed_norm(mean)
-        if mean_norm < eps and not bool(norms.any()):
+        if mean_norm < eps and not bool(norms.any()) and origin:
             # No expert changed the tensor (or the plan read none of it): the base. mergekit
             # stops with an error here for three or more experts; this differs on purpose.
             return base.clone()
         if mean_norm < eps:
             if k == 2:  # mergekit's fallback: linear interpolation of the two deltas
-                return (deltas[0] * weights[0] + deltas[1] * weights[1]).view(base.shape) + base
+                mixed = (deltas[0] * weights[0] + deltas[1] * weights[1]).view(base.shape)
+                return mixed + base if origin else mixed
             raise BadInput(
                 f"{ctx.name}: multislerp: the weighted directions of the experts' deltas cancel out "
                 "(antipodal deltas with balancing weights); use other weights"
@@ -66,5 +93,5 @@ class MultiSlerp(Operator):
         tangent = (tangents * weights.view(-1, 1)).sum(0)
         tangent_norm = fixed_norm(tangent) + eps
         result = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
-        result = result * (norms.squeeze(-1) * weights).sum()
-        return result.view(base.shape) + base
+        result = (result * (norms.squeeze(-1) * weights).sum()).view(base.shape)
+        return result + base if origin else result

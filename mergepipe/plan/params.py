@@ -141,7 +141,8 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
             resolved[p.name] = p.default if v is None else (float(v) if p.kind == "float" else v)
     base_values = None
     n_experts = len(settings.experts)
-    if op.base_weighted:
+    implicit = op.base_optional and spec.implicit_base
+    if op.base_weighted or implicit:
         base_values = {p.name: value(p.name, settings.base, base_name) for p in op.parameters if p.per_model}
         for p in op.parameters:
             if p.per_model and p.required and settings.base is not None and base_values[p.name] is None:
@@ -153,7 +154,7 @@ def _resolve(spec: MergeSpec, settings: _Settings, tensor: str, t: float) -> Mer
             base_values = None  # not listed and no global value: the base is not an input
         else:
             base_values = {k: None if v is None else float(v) for k, v in base_values.items()}
-    if op.base_among_inputs and (base_values is not None or not op.base_weighted):
+    if (op.base_among_inputs or implicit) and (base_values is not None or not op.base_weighted):
         # where mergekit puts the base among the inputs: at its own entry, else after the
         # models; first is the default, left out so that such plans keep their digests
         if settings.base_at:
