@@ -361,8 +361,9 @@ def tokenizer_union(fam, cfg):
 
 
 def lora_reference(fam, cfg):
+    """A LoRA reference (model+adapter) whose adapter is not there: named, resolved beside the config."""
     _edit_first_model(cfg, model=f"{fam.experts[0]}+adapters/my-lora")
-    return "models[0].model: " + repr(f"{fam.experts[0]}+adapters/my-lora") + " is a LoRA reference"
+    return f"{cfg.parent / 'adapters' / 'my-lora'}: model not found"
 
 
 def condition_with_unknown_key(fam, cfg):

@@ -108,9 +108,49 @@ def _digest_form(params: BaseModel, always: frozenset[str]) -> dict[str, Any]:
     return {k: v for k, v in parameter_values(params).items() if k in always or v is not None}
 
 
+LORA_JOIN = "+"
+
+
+def lora_parts(ref: str) -> tuple[str, str | None]:
+    """A model reference's model and LoRA adapter (mergekit's MODEL+ADAPTER), or (ref, None)."""
+    model, plus, adapter = ref.partition(LORA_JOIN)
+    return (model, adapter) if plus else (ref, None)
+
+
+def _reference(v: Any) -> Any:
+    """A model reference as mergekit takes one: a location, LOCATION+ADAPTER, or the mapping
+    {model: LOCATION, lora: ADAPTER}; kept as a string, LOCATION+ADAPTER."""
+    if isinstance(v, dict):
+        unknown = sorted(set(v) - {"model", "lora"})
+        if unknown:
+            raise ValueError(f"a model reference takes `model` and `lora`, not {unknown[0]!r}")
+        model, lora = v.get("model"), v.get("lora")
+        if not isinstance(model, str) or not (lora is None or isinstance(lora, str)):
+            raise ValueError("a model reference is {model: LOCATION, lora: ADAPTER}, both strings")
+        v = model if lora is None else f"{model}{LORA_JOIN}{lora}"
+    if isinstance(v, str) and (v.count(LORA_JOIN) > 1 or any(not p for p in v.split(LORA_JOIN))):
+        raise ValueError(f"{v!r}: a model reference is MODEL or MODEL+ADAPTER (one +, a location each side)")
+    return v
+
+
 class ModelEntry(_Strict):
     model: str
     parameters: ModelParameters = ModelParameters()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lora_beside(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "lora" in data:  # mergekit ignores it there: refused, not ignored
+            raise ValueError(
+                "lora: belongs inside the model reference (model: {model: BASE, lora: ADAPTER}, or "
+                "model: BASE+ADAPTER), not beside it"
+            )
+        return data
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_reference(cls, v: Any) -> Any:
+        return _reference(v)
 
 
 class SliceSource(_Strict):
@@ -119,6 +159,14 @@ class SliceSource(_Strict):
     model: str
     layer_range: tuple[int, int]
     parameters: ModelParameters = ModelParameters()
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _no_lora(cls, v: Any) -> Any:
+        v = _reference(v)
+        if isinstance(v, str) and LORA_JOIN in v:
+            raise ValueError(f"{v!r}: LoRA adapters are merged in the `models:` form, not in slices (yet)")
+        return v
 
     @field_validator("layer_range")
     @classmethod
@@ -247,6 +295,11 @@ class MergeSpec(_Strict):
                 )
         return data
 
+    @field_validator("base_model", mode="before")
+    @classmethod
+    def _base_reference(cls, v: Any) -> Any:
+        return _reference(v)
+
     @model_validator(mode="before")
     @classmethod
     def _default_base(cls, data: Any) -> Any:
@@ -258,7 +311,11 @@ class MergeSpec(_Strict):
             first = models[0] if isinstance(models, list) and models else None
             op = OPERATORS[data["merge_method"]]
             if not op.needs_base and isinstance(first, dict) and "model" in first:
-                data = {**data, "base_model": first["model"]} | ({"implicit_base": True} if op.base_optional else {})
+                try:
+                    reference = _reference(first["model"])
+                except ValueError:
+                    return data  # the entry's own validation names it
+                data = {**data, "base_model": reference} | ({"implicit_base": True} if op.base_optional else {})
         return data
 
     @field_validator("chat_template")
@@ -571,18 +628,16 @@ def load_spec(
     for key, ref in named:
         if ref in earlier:
             continue
-        where = _resolve_location(ref, base_dir, spec.hub)
+        where = _resolve_location(lora_parts(ref)[0], base_dir, spec.hub)
         if where.endswith(".safetensors") and stat(join(split(where)[0], INDEX_FILE)) is not None:
             raise BadInput(f"{path}: {key}: {ref!r} is one shard of a sharded model; {MODEL_LOCATION}")
-        if "+" in ref and not is_remote(where) and not Path(where).exists():
-            raise BadInput(
-                f"{path}: {key}: {ref!r} is a LoRA reference (model+adapter), which mergepipe does not merge; "
-                "merge the adapter into its model first"
-            )
 
     def at(ref: str) -> str:
         if ref in earlier:  # an earlier stage's output
             return stage_output(intermediate_dir, ref)
+        model, adapter = lora_parts(ref)
+        if adapter is not None:
+            return f"{at(model)}{LORA_JOIN}{_resolve_location(adapter, base_dir, spec.hub)}"
         return _resolve_location(ref, base_dir, spec.hub)
 
     slices = [

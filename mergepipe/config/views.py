@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mergepipe.config.spec import MergeSpec
+from mergepipe.config.spec import MergeSpec, lora_parts
 
 
 @dataclass(frozen=True)
@@ -25,25 +25,27 @@ class ModelView:
     files are the ones an output copies when the view is its base. pieces: None for a model as
     it is; else the output's layers in order, the tensors before the layers (embeddings) from
     `pre` and those after them (final norm, head) from `post`, as mergekit takes them from the
-    first and the last slice."""
+    first and the last slice. adapter: a LoRA adapter folder applied to the home model (the
+    `models:` form's MODEL+ADAPTER)."""
 
     home: str
     pieces: tuple[Piece, ...] | None = None
     pre: str = ""
     post: str = ""
+    adapter: str | None = None
 
     @property
     def models(self) -> list[str]:
-        """Every model the view reads from, each once, home first."""
+        """Every model (and adapter) the view reads from, each once, home first."""
         if self.pieces is None:
-            return [self.home]
+            return [self.home] if self.adapter is None else [self.home, self.adapter]
         return list(dict.fromkeys([self.home, self.pre, *(p.model for p in self.pieces), self.post]))
 
     def describe(self) -> str:
         """The view as plans and the catalog name it: the home model, then each piece's layers
         (and its model where that is not the home)."""
         if self.pieces is None:
-            return self.home
+            return self.home if self.adapter is None else f"{self.home}+{self.adapter}"
         where = ",".join(f"{'' if p.model == self.home else p.model + ':'}{p.start}-{p.end}" for p in self.pieces)
         ends = "" if self.pre == self.post == self.home else f";pre={self.pre};post={self.post}"
         return f"{self.home}#layers={where}{ends}"
@@ -70,7 +72,12 @@ def input_views(spec: MergeSpec) -> InputViews:
     """The inputs of a merge: the base and the experts as they are for the `models:` form; for
     `slices:`, the base's view and the k-th expert's from each slice's roles (spec.slice_roles)."""
     if not spec.slices:
-        return InputViews(ModelView(spec.base_model), tuple(ModelView(u) for u in spec.expert_uris))
+
+        def view(ref: str) -> ModelView:
+            home, adapter = lora_parts(ref)
+            return ModelView(home, adapter=adapter)
+
+        return InputViews(view(spec.base_model), tuple(map(view, spec.expert_uris)))
     roles = spec.slice_roles()
     first, last = spec.slices[0], spec.slices[-1]
 

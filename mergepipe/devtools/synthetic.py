@@ -134,6 +134,60 @@ def make_family(
     return FamilyPaths(base_dir, expert_dirs)
 
 
+def write_adapter(
+    folder: str | Path,
+    base: dict[str, torch.Tensor],
+    seed: int,
+    *,
+    rank: int = 4,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    alpha: float = 8,
+    use_rslora: bool = False,
+    dtype: torch.dtype = torch.float32,
+    embedding: bool = False,
+    **config,
+) -> Path:
+    """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) for the base's
+    weights named by `targets` (and its embedding with `embedding`), as PEFT saves one: factors
+    lora_A [r, in] and lora_B [out, r] per module under base_model.model.<module>. `config`:
+    further adapter_config.json keys."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    tensors, modules = {}, []
+    for name in sorted(base):
+        module = name.removesuffix(".weight")
+        if base[name].dim() == 2 and module.rsplit(".", 1)[-1] in targets:
+            out, inp = base[name].shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.05).to(dtype)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.05).to(dtype)
+            modules.append(module.rsplit(".", 1)[-1])
+        elif embedding and name == "model.embed_tokens.weight":
+            vocab, hidden = base[name].shape
+            tensors[f"base_model.model.{module}.lora_embedding_A"] = (torch.randn(rank, vocab, generator=g) * 0.05).to(
+                dtype
+            )
+            tensors[f"base_model.model.{module}.lora_embedding_B"] = (torch.randn(hidden, rank, generator=g) * 0.05).to(
+                dtype
+            )
+            modules.append("embed_tokens")
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": use_rslora,
+        "target_modules": sorted(set(modules)),
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "lora_dropout": 0.0,
+        **config,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(settings, indent=2))
+    return folder
+
+
 def write_config(path: str | Path, family: FamilyPaths, merge_method: str = "task_arithmetic", **extra) -> Path:
     import yaml
 

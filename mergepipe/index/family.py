@@ -9,10 +9,11 @@ from mergepipe.config.spec import MODEL_LOCATION, expert_label
 from mergepipe.config.views import InputViews, ModelView
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import before_layers, layer_count, layer_index, with_layer
+from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor, adapter_targets, register
 from mergepipe.storage.canonical import digest_of
-from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, read_models
-from mergepipe.storage.reader import RangeReader
-from mergepipe.storage.safetensors_format import DTYPES
+from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, adapter_config, is_adapter, read_models
+from mergepipe.storage.reader import RangeReader, fingerprint
+from mergepipe.storage.safetensors_format import DTYPES, TensorPlace
 
 
 def model_fingerprint(model: ModelFiles) -> str:
@@ -103,6 +104,10 @@ def view_of(view: ModelView, models: dict[str, ModelFiles], built: dict[tuple, L
     the same places share one Layout (`built`, kept by the caller); a view that renames nothing
     is its home model itself, with the same fingerprint and statistics."""
     home = models[view.home]
+    if is_adapter(home):
+        raise BadInput(f"{home.uri}: is a LoRA adapter, not a model; name it with its model, as MODEL+ADAPTER")
+    if view.adapter is not None:
+        return lora_view(view, home, models[view.adapter], built)
     if view.pieces is None:
         return home
     tensors, files, headers = {}, {}, {}
@@ -145,4 +150,35 @@ def view_of(view: ModelView, models: dict[str, ModelFiles], built: dict[tuple, L
         fingerprints=files,
         layout=layout,
         header_bytes=headers,
+    )
+
+
+def lora_view(view: ModelView, home: ModelFiles, adapter: ModelFiles, built: dict[tuple, Layout]) -> ModelFiles:
+    """A model with a LoRA adapter applied, as a merge's input: the weights the adapter changes
+    at places of their own (read through their recipes, storage.adapters), the rest the model's."""
+    if not is_adapter(adapter):
+        raise BadInput(f"{adapter.uri}: not a LoRA adapter folder (no {ADAPTER_WEIGHTS} with its {ADAPTER_CONFIG})")
+    weights = adapter.path(ADAPTER_WEIGHTS)
+    targets = adapter_targets(adapter.uri, adapter_config(adapter), adapter.tensors, home.tensors)
+    tensors: dict[str, TensorPlace] = dict(home.tensors)
+    lora: dict[str, LoraTensor] = {}
+    for name, (a, b, scale, transposed) in targets.items():
+        place = home.tensors[name]
+        recipe = LoraTensor(home.path(place.file), place, weights, a, b, scale, transposed)
+        file = register(recipe)
+        lora[file] = recipe
+        tensors[name] = TensorPlace(file, place.dtype, place.shape, 0, place.nbytes)
+    # The adapter's files identify the view with the model's: its config holds the scales.
+    config = adapter.path(ADAPTER_CONFIG)
+    files = {**home.fingerprints, weights: adapter.fingerprints[ADAPTER_WEIGHTS], config: fingerprint(config)}
+    key = tuple(sorted((n, tuple(t)) for n, t in tensors.items()))
+    return ModelFiles(
+        uri=view.describe(),
+        root=home.root,
+        shards=[*home.shards, weights],
+        sidecars=list(home.sidecars),
+        fingerprints=files,
+        layout=built.setdefault(key, Layout.of(tensors)),
+        header_bytes={**home.header_bytes, weights: adapter.header_bytes[ADAPTER_WEIGHTS]},
+        lora=lora,
     )

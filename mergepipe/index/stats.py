@@ -210,7 +210,13 @@ def _expert_stats(
                 dtypes[first + g],
             )
     hashes = [block_hash(chunk[a:b]) for a, b in ranges]
-    return [b - a for a, b in ranges], sq, mx, nnz, hashes
+    sizes = [b - a for a, b in ranges]
+    if model.lora:  # a changed weight's block costs its factor rows (storage.adapters)
+        for i, name in enumerate(blocks.names):
+            recipe = model.lora.get(model.tensors[name].file)
+            if recipe is not None:
+                sizes[i] = recipe.factor_bytes(*blocks.rows[i])
+    return sizes, sq, mx, nnz, hashes
 
 
 def _measure_batch(

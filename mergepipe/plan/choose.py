@@ -14,7 +14,15 @@ from mergepipe.index.family import Family
 from mergepipe.index.stats import nonfinite_message
 from mergepipe.operators import get_operator
 from mergepipe.plan.params import resolve_tensor_params
-from mergepipe.plan.record import ACCESS_SCHEMA, Plan, build_plan, error_bound, full_expert_bytes
+from mergepipe.plan.record import (
+    ACCESS_SCHEMA,
+    Plan,
+    build_plan,
+    error_bound,
+    full_expert_bytes,
+    whole_factor_bytes,
+    whole_factors_read,
+)
 from mergepipe.storage.safetensors_format import DTYPES
 
 # Tensors of at least this many stored bytes (per expert) carry bounds on their deltas' nonzero
@@ -86,13 +94,18 @@ def choose_plan(
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
     n = _rank_candidates(con, spec, family, op, table, per_set)
+    # LoRA views read a factor of each changed weight whole, besides the pairs' factor rows:
+    # the budget keeps room for all of them before it is spent on pairs.
+    reserve = sum(whole_factor_bytes(e, e.tensors) for e in family.experts if e.lora)
     if spec.max_error is not None:
         budget_bytes = planner.select_within_error(con, spec.max_error, n)
     else:
         budget_bytes = spec.io_budget.resolve(full)
-        planner.select_within_bytes(con, budget_bytes)
+        planner.select_within_bytes(con, max(0, budget_bytes - reserve))
     check_nonfinite(spec, family, budget_bytes, *planner.nonfinite_candidates(con))
     access = planner.selected_pairs(con)
+    if spec.max_error is not None:
+        budget_bytes += sum(whole_factors_read(family, access))
     warnings = []
     problem = (
         empty_plan_problem(spec, budget_bytes, planner.smallest_candidate(con), n) if not access.num_rows else None
@@ -159,6 +172,8 @@ def reads_every_block(spec: MergeSpec, family: Family) -> bool:
     full = full_expert_bytes(family)
     if spec.max_error is not None or spec.io_budget.resolve(full) < full:
         return False
+    if family.base.lora or any(e.lora for e in family.experts):
+        return False  # a LoRA view is indexed first: its blocks cost factor rows, not stored bytes
     op = get_operator(spec.merge_method)
     if not op.zero_coefficient_unused:
         return True

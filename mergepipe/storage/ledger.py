@@ -15,6 +15,8 @@ from collections import defaultdict
 # (storage.cache) rather than the network (beside their role too). resolve: Hub files looked up
 # for where their bytes are (no bytes; `requests` counts the lookups, refreshes of expired URLs
 # among them). rate_limit: answers that asked to wait (no bytes; `seconds` the waits they added).
+# lora_base: a model's rows read to apply a LoRA adapter's change to them (storage.adapters),
+# beside the factor rows its expert role counts.
 ROLES = (
     "header",
     "base",
@@ -30,9 +32,10 @@ ROLES = (
     "cache",
     "resolve",
     "rate_limit",
+    "lora_base",
 )
 # Roles whose requests are reads of the inputs' bytes (the rest count lookups, waits, the output).
-READ_ROLES = ("header", "base", "expert", "reread", "index", "sidecar", "retry")
+READ_ROLES = ("header", "base", "expert", "reread", "index", "sidecar", "retry", "lora_base")
 
 
 class ByteLedger:

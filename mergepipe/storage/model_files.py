@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from mergepipe.errors import BadInput
 from mergepipe.storage import remote
+from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.hub import is_hub
 from mergepipe.storage.location import ContextPool, is_remote, join, normalize, split
@@ -67,6 +68,8 @@ class ModelFiles:
     fingerprints: dict[str, FileFingerprint] = field(default_factory=dict)
     layout: Layout = field(default_factory=lambda: Layout({}))
     header_bytes: dict[str, bytes] = field(default_factory=dict)
+    # A LoRA view's changed weights: each one's file name (storage.adapters.VIRTUAL) -> its recipe
+    lora: dict[str, LoraTensor] = field(default_factory=dict)
 
     @property
     def tensors(self) -> dict[str, TensorPlace]:
@@ -102,7 +105,7 @@ def discover(uri: str) -> tuple[ModelFiles, dict[str, str] | None]:
 
 def _discover_in(uri: str, folder: str) -> tuple[ModelFiles, dict[str, str] | None]:
     """A model folder's files (`uri` as the config names it, `folder` where its files are)."""
-    files = list_folder(folder, (INDEX_FILE, SINGLE_FILE, *SIDECAR_FILES))
+    files = list_folder(folder, (INDEX_FILE, SINGLE_FILE, *SIDECAR_FILES, ADAPTER_WEIGHTS, ADAPTER_CONFIG))
     if files is None:
         if stat(folder) is not None:
             raise BadInput(f"{uri}: not a .safetensors file or a model folder")
@@ -125,7 +128,24 @@ def _discover_in(uri: str, folder: str) -> tuple[ModelFiles, dict[str, str] | No
         return ModelFiles(uri, folder, shards, sidecars), weight_map
     if SINGLE_FILE in present:
         return ModelFiles(uri, folder, [SINGLE_FILE], sidecars), None
+    if ADAPTER_WEIGHTS in present:  # a LoRA adapter (PEFT's files): its factors, as a model's tensors
+        if ADAPTER_CONFIG not in present:
+            raise BadInput(f"{uri}: {ADAPTER_WEIGHTS} without its {ADAPTER_CONFIG}")
+        return ModelFiles(uri, folder, [ADAPTER_WEIGHTS], [ADAPTER_CONFIG]), None
     raise BadInput(f"{uri}: no {SINGLE_FILE} or {INDEX_FILE} in the model folder")
+
+
+def is_adapter(model: ModelFiles) -> bool:
+    return model.shards == [ADAPTER_WEIGHTS] and ADAPTER_CONFIG in model.sidecars
+
+
+def adapter_config(adapter: ModelFiles) -> dict:
+    """An adapter folder's adapter_config.json."""
+    path = adapter.path(ADAPTER_CONFIG)
+    try:
+        return json.loads(read_small_file(path))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise BadInput(f"{path}: not valid JSON ({err})") from None
 
 
 def read_model(uri: str, reader: RangeReader, label: str, layouts: Layouts | None = None) -> ModelFiles:

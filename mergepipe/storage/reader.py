@@ -20,11 +20,14 @@ from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+from mergepipe import torch
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.storage import cache, remote
+from mergepipe.storage import adapters, cache, remote
+from mergepipe.storage.adapters import ADAPTER_WEIGHTS
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import ContextPool, is_remote
+from mergepipe.storage.safetensors_format import decode, encode
 
 # What a read returns: a writable buffer of exactly the bytes asked for (a view, for a range read
 # with O_DIRECT).
@@ -136,6 +139,8 @@ class RangeReader:
         self._lock = threading.Lock()
         self._open = True
         self._lent: dict[int, mmap.mmap] = {}  # the mappings of direct reads not given back yet
+        self._factors: dict[tuple[str, int], torch.Tensor] = {}  # LoRA factors read whole (_whole_factor)
+        self._factor_lock = threading.Lock()
         DIRECT_BUFFERS.reader_opened()
 
     def _fd(self, path: str) -> int:
@@ -174,7 +179,12 @@ class RangeReader:
 
     def read_batch(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
         """Every request's ranges; remote ones are fetched together, concurrently, or taken from
-        what read_ahead fetched."""
+        what read_ahead fetched; those of LoRA-changed weights made from what they need."""
+        if any(adapters.is_virtual(req.file) for req in requests):
+            virtual = [k for k, req in enumerate(requests) if adapters.is_virtual(req.file)]
+            made = dict(zip(virtual, self._read_changed([requests[k] for k in virtual])))
+            real = iter(self.read_batch([req for k, req in enumerate(requests) if k not in made]))
+            return [made[k] if k in made else next(real) for k in range(len(requests))]
         ahead: dict[int, tuple[Future, int, ReadRequest]] = {}
         with self._lock:
             for k, req in enumerate(requests):
@@ -208,6 +218,50 @@ class RangeReader:
             out.append(bufs)
         return out
 
+    def _whole_factor(self, t: adapters.LoraTensor, role: str, model: str) -> torch.Tensor:
+        """The factor every row of a changed weight needs, read once by this reader (the plan
+        counts it once per weight and expert) and kept while the reader is open."""
+        key = (t.adapter, t.whole.start)
+        with self._factor_lock:
+            got = self._factors.get(key)
+            if got is None:
+                w = t.whole
+                (buf,) = self.read_batch([ReadRequest(t.adapter, [(w.start, w.end)], role, model, ADAPTER_WEIGHTS)])[0]
+                got = self._factors[key] = decode(bytearray(buf), w.dtype, w.shape)
+                self.release([buf])
+        return got
+
+    def _read_changed(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
+        """The ranges of LoRA-changed weights (storage.adapters): for each range, the rows it
+        covers of the model's tensor (counted as `lora_base`) and of the factor indexed by rows
+        (counted in the request's role), read together; the other factor once per reader; then
+        the rows computed and the range cut from them."""
+        parts: list[ReadRequest] = []
+        wanted = []
+        for req in requests:
+            t = adapters.recipe(req.file)
+            size = t.row_bytes
+            whole = self._whole_factor(t, req.role, req.model)
+            for s, e in req.ranges:
+                r0, r1 = s // size, -(-e // size)
+                home = (t.place.start + r0 * size, t.place.start + r1 * size)
+                parts.append(ReadRequest(t.home, [home], "lora_base", req.model, t.place.file))
+                parts.append(ReadRequest(t.adapter, t.factor_ranges(r0, r1), req.role, req.model, ADAPTER_WEIGHTS))
+                wanted.append((t, whole, r0, r1, s, e))
+        got = iter(self.read_batch(parts))
+        out: list[list[Buffer]] = [[] for _ in requests]
+        at = 0
+        for k, req in enumerate(requests):
+            for _ in req.ranges:
+                t, whole, r0, r1, s, e = wanted[at]
+                at += 1
+                (home_rows,), factor = next(got), next(got)
+                rows = adapters.changed_rows(t, home_rows, factor, whole, r0, r1)
+                self.release([home_rows, *factor])
+                offset = r0 * t.row_bytes
+                out[k].append(bytearray(encode(rows)[s - offset : e - offset]))
+        return out
+
     def _fetch_requests(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
         """The ranges of these remote requests, fetched concurrently (storage.remote.fetch
         serves each host with its own credentials)."""
@@ -225,7 +279,7 @@ class RangeReader:
         with self._lock:
             if not self._open or self._ahead_limit <= 0:
                 return
-            remote_requests = [r for r in requests if is_remote(r.path) and r.size]
+            remote_requests = [r for r in requests if is_remote(r.path) and r.size and not adapters.is_virtual(r.file)]
             if first:
                 self._ahead_queue.extendleft(reversed(remote_requests))
             else:
@@ -288,7 +342,7 @@ class RangeReader:
         the preads would: nothing beyond the plan. Remote ranges are left to read_batch. Neither
         counted (the preads count) nor required: a failure here only loses the head start."""
         for req in requests:
-            if is_remote(req.path):
+            if is_remote(req.path) or adapters.is_virtual(req.file):
                 continue
             try:
                 fd = self._fd(req.path)
