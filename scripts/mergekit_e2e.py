@@ -200,7 +200,75 @@ def build_family(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
         family[m] = build_expert(m, base, i)
     for m, tensors in family.items():
         write_model(dest / m, tensors, llama_config())
+    for folder, spec in ADAPTERS.items():
+        write_adapter(dest / folder, base, **spec)
     return family
+
+
+# PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors, keys as PEFT saves them)
+# for the family's shapes: fp32 factors on q and v; bf16 factors with rsLoRA on the MLP and the
+# embedding (PEFT's lora_embedding_A/B), with an alpha pattern for one module.
+ADAPTERS = {
+    "adapters/qv": {"tag": "qv", "targets": ("q_proj", "v_proj"), "rank": 4, "alpha": 8, "dtype": torch.float32},
+    "adapters/mlp-rs": {
+        "tag": "mlp-rs",
+        "targets": ("gate_proj", "down_proj"),
+        "rank": 8,
+        "alpha": 16,
+        "dtype": torch.bfloat16,
+        "rslora": True,
+        "embedding": True,
+        "alpha_pattern": {"layers.1.mlp.gate_proj": 24},
+    },
+}
+
+
+def write_adapter(
+    folder: Path,
+    base: dict[str, torch.Tensor],
+    *,
+    tag: str,
+    targets: tuple[str, ...],
+    rank: int,
+    alpha: float,
+    dtype: torch.dtype,
+    rslora: bool = False,
+    embedding: bool = False,
+    alpha_pattern: dict | None = None,
+) -> None:
+    g = _gen(f"adapter/{tag}")
+    tensors = {}
+    for name in sorted(base):
+        module = name.removesuffix(".weight")
+        kind = module.rsplit(".", 1)[-1]
+        if kind in targets:
+            out, inp = base[name].shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.1).to(dtype)
+            tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.1).to(dtype)
+        elif embedding and kind == "embed_tokens":
+            vocab, hidden = base[name].shape
+            tensors[f"base_model.model.{module}.lora_embedding_A"] = (torch.randn(rank, vocab, generator=g) * 0.1).to(
+                dtype
+            )
+            tensors[f"base_model.model.{module}.lora_embedding_B"] = (torch.randn(hidden, rank, generator=g) * 0.1).to(
+                dtype
+            )
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "use_rslora": rslora,
+        "target_modules": sorted(set(targets) | ({"embed_tokens"} if embedding else set())),
+        "alpha_pattern": alpha_pattern or {},
+        "rank_pattern": {},
+        "fan_in_fan_out": False,
+        "bias": "none",
+        "lora_dropout": 0.0,
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- configs
@@ -358,6 +426,34 @@ models:
     parameters:
       weight: [0.1, 0.5]
 merge_method: multislerp
+dtype: float32
+"""
+
+# LoRA adapters (mergekit merges each into its model with PEFT first: --lora-merge-cache).
+CONFIGS["lora_plus"] = """\
+models:
+  - model: TheBloke/Llama-2-13B-fp16+adapters/qv
+    parameters:
+      weight: 0.7
+  - model: psmathur/orca_mini_v3_13b
+    parameters:
+      weight: 0.3
+merge_method: task_arithmetic
+base_model: TheBloke/Llama-2-13B-fp16
+dtype: float32
+"""
+
+CONFIGS["lora_reference"] = """\
+models:
+  - model:
+      model: psmathur/orca_mini_v3_13b
+      lora: adapters/mlp-rs
+    parameters:
+      weight: 0.5
+  - model: garage-bAInd/Platypus2-13B+adapters/qv
+    parameters:
+      weight: 0.5
+merge_method: linear
 dtype: float32
 """
 
@@ -640,9 +736,11 @@ def run_mergekit(
     """Run mergekit-yaml on `config` (relative to cwd); return (tensors, error, argv with OUT)."""
     exe = python.parent / "mergekit-yaml"
     flags = MERGEKIT_FLAGS + (extra or [])
+    if config.startswith("lora"):
+        flags += ["--lora-merge-cache", "CACHE"]  # where mergekit keeps the models it merged adapters into
     with tempfile.TemporaryDirectory(prefix="mk-e2e-") as tmp:
         out = Path(tmp) / "out"
-        argv = [str(exe), config, str(out), *flags]
+        argv = [str(exe), config, str(out), *(str(Path(tmp) / "cache") if f == "CACHE" else f for f in flags)]
         res = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True)
         shown = ["mergekit-yaml", config, "OUT", *flags]
         if res.returncode != 0:
@@ -660,7 +758,7 @@ def run_mergekit(
 
 def generate(python: Path) -> None:
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    for top in {m.split("/")[0] for m in MODELS} | {"expected"}:
+    for top in {m.split("/")[0] for m in MODELS} | {"expected", "adapters"}:
         shutil.rmtree(OUT_DIR / top, ignore_errors=True)
     build_family(OUT_DIR)
     for name, text in CONFIGS.items():

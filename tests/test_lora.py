@@ -161,6 +161,8 @@ def test_lora_experts_merge_as_their_models_and_read_their_factors(lora_family, 
         raw = (adapter / ADAPTER_WEIGHTS).read_bytes()
         assert by_model[label] == len(raw) - 8 - int.from_bytes(raw[:8], "little"), label  # every factor, once
     assert full["expert_bytes_read"] == full["expert_bytes_planned"]
+    card = yaml.safe_load((tmp_path / "full" / "README.md").read_text().split("---")[1])
+    assert card["base_model"] == [str(fam.base), str(fam.experts[0]), str(first), str(second)]  # adapters named
 
     # fp32 output: the bound is on the merged values before a cast to a narrower dtype.
     wide = _config(tmp_path / "wide.yml", fam, yaml.safe_load(lora.read_text())["models"], out_dtype="float32")
@@ -213,10 +215,10 @@ def test_adapter_that_does_not_fit_its_model(lora_family, tmp_path, session_cata
 def test_lora_experts_in_streamed_and_windowed_forms(lora_family, tmp_path, session_catalog, monkeypatch, method):
     """Under a memory budget that streams (task arithmetic: runs of elements, pieces of rows)
     or windows (TIES: rows read in passes) the changed weights, the output and the expert bytes
-    are those of merging each tensor whole; rows read again are counted as `reread`."""
+    are those of merging each tensor whole."""
     from mergepipe.execute import memory, streamed, windowed
-    from mergepipe.operators import slabs
     from mergepipe.flows.merge import merge
+    from mergepipe.operators import slabs
 
     from .helpers import saved_plan
 
@@ -237,9 +239,16 @@ def test_lora_experts_in_streamed_and_windowed_forms(lora_family, tmp_path, sess
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda g, reads, real=real: seen.append(reads.name) or real(g, reads))
     small = merge(
-        config=str(cfg), out=str(tmp_path / "small"), catalog=session_catalog, memory=str(2 * 2 * max(n.least for n in needs))
+        config=str(cfg),
+        out=str(tmp_path / "small"),
+        catalog=session_catalog,
+        memory=str(2 * 2 * max(n.least for n in needs)),
     )
     assert small["digest"] == whole["digest"]
     assert small["expert_bytes_read"] == whole["expert_bytes_read"] == small["expert_bytes_planned"]
-    changed = {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"}
+    changed = {
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.gate_proj.weight",
+    }
     assert changed <= set(seen)

@@ -302,12 +302,12 @@ def compute_stats(
         ContextPool(max_workers=max(1, len(os.sched_getaffinity(0)))) as pool,
         ContextPool(READ_AHEAD) as ahead,
     ):
-        pending = deque(ahead.submit(reader.read_batch, b.requests) for b in batches[:READ_AHEAD])
+        pending = deque(ahead.submit(b.read, reader) for b in batches[:READ_AHEAD])
         for i, batch in enumerate(batches):
             read = pending.popleft().result()
             batch_chunks = [memoryview(bufs[0]) for bufs in read]
             if i + READ_AHEAD < len(batches):
-                pending.append(ahead.submit(reader.read_batch, batches[i + READ_AHEAD].requests))
+                pending.append(ahead.submit(batches[i + READ_AHEAD].read, reader))
             blocks = _Blocks(len(models))
             for run in batch.runs:
                 chunks = [
@@ -351,6 +351,14 @@ class BlockRun(NamedTuple):
 class Batch(NamedTuple):
     runs: list[BlockRun]
     requests: list[ReadRequest]  # one range per model, spanning every run of the batch
+
+    def read(self, reader: RangeReader) -> list[list]:
+        """The batch's bytes, each model's; a model whose range is the base's own bytes (a LoRA
+        view's unchanged tensors, its model being the base) takes the base's, read once."""
+        base = self.requests[0]
+        unique = [k for k, r in enumerate(self.requests) if k == 0 or (r.path, r.ranges) != (base.path, base.ranges)]
+        got = dict(zip(unique, reader.read_batch([self.requests[k] for k in unique])))
+        return [got.get(k, got[0]) for k in range(len(self.requests))]
 
 
 def _batches(runs: list[BlockRun], models: list, limit: int = READ_CHUNK) -> Iterator[Batch]:

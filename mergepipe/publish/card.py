@@ -11,7 +11,7 @@ from __future__ import annotations
 import yaml
 
 from mergepipe.config.sizes import format_size
-from mergepipe.config.spec import validate_spec
+from mergepipe.config.spec import lora_parts, validate_spec
 from mergepipe.plan.record import Plan
 from mergepipe.storage.hub import commit_of, is_hub, parse
 from mergepipe.storage.model_files import MANIFEST_FILE
@@ -30,7 +30,8 @@ def model_card(plan: Plan) -> bytes:
     the error bound and the plan's digest."""
     spec = validate_spec(plan.spec, source="the plan's spec")
     front = {
-        "base_model": list(dict.fromkeys(_hub_id(m) for m in spec.model_uris)),
+        # a LoRA input names its model and its adapter
+        "base_model": list(dict.fromkeys(_hub_id(p) for m in spec.model_uris for p in lora_parts(m) if p)),
         "base_model_relation": "merge",
         "library_name": "transformers",
         "tags": ["merge", "mergepipe"],

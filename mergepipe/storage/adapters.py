@@ -165,8 +165,6 @@ def _refuse(uri: str, config: dict) -> None:
     ):
         if config.get(key):
             raise BadInput(f"{uri}/{ADAPTER_CONFIG}: {key}: not supported by mergepipe ({why})")
-    if config.get("use_rslora") and (config.get("rank_pattern") or config.get("alpha_pattern")):
-        raise BadInput(f"{uri}/{ADAPTER_CONFIG}: use_rslora with rank_pattern or alpha_pattern (PEFT refuses it)")
 
 
 def _number(uri: str, config: dict, key: str, value) -> float:
