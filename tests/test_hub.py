@@ -633,3 +633,24 @@ def test_signed_urls_say_when_they_expire_and_429s_how_long_to_wait():
     assert hub_module.rate_limit_wait({"RateLimit": '"api";r=3;t=55', "retry-after": "7"}) == 7
     assert hub_module.rate_limit_wait({"Retry-After": "Wed, 21 Oct 2015 07:28:00 GMT"}) is None
     assert hub_module.rate_limit_wait({}) is None
+
+
+def test_a_lora_adapter_on_the_hub_reads_its_factors_from_its_commit(hub, family, tmp_path):
+    """MODEL+ADAPTER with both on the Hub: the local merge's digest, the adapter's commit
+    recorded, and at 100% the expert bytes read from it are its tensors."""
+    from mergepipe.devtools.synthetic import write_adapter
+
+    from .reference import load_model
+
+    adapter = write_adapter(tmp_path / "adapter", load_model(family.base), 5, rank=4)
+    hub.publish("org/adapter", adapter)
+    local = _config(tmp_path, str(family.base), [str(family.experts[0]), f"{family.base}+{adapter}"], "l.yaml")
+    remote_cfg = _config(tmp_path, "hf://org/base", ["hf://org/e0", "hf://org/base+hf://org/adapter"], "r.yaml")
+    want = merge(config=str(local), out=str(tmp_path / "local"), catalog=str(tmp_path / "a.duckdb"))
+    got = merge(config=str(remote_cfg), out=str(tmp_path / "hub"), catalog=str(tmp_path / "b.duckdb"))
+    assert got["digest"] == want["digest"]
+    run = json.loads((tmp_path / "hub" / MANIFEST_FILE).read_text())["run"]
+    assert any(c.endswith(hub.repos["org/adapter"].refs["main"]) for c in run["commits"])
+    raw = (adapter / "adapter_model.safetensors").read_bytes()
+    read = sum(r["bytes"] for r in run["ledger"] if r["role"] == "expert" and r["model"] == "expert-1")
+    assert read == len(raw) - 8 - int.from_bytes(raw[:8], "little")

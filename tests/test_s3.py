@@ -12,6 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from mergepipe.cli import app
@@ -559,3 +560,21 @@ def test_slices_from_s3_give_the_local_digest(s3, catalog, tmp_path):
             catalog=catalog,
         )
         assert r["digest"] == local[name]["digest"], name
+
+
+def test_a_lora_adapter_in_s3_gives_the_local_digest(s3, families, catalog, tmp_path):
+    from mergepipe.devtools.synthetic import write_adapter
+
+    from .reference import load_model
+
+    local, remote_family = families
+    adapter = write_adapter(tmp_path / "adapter", load_model(local.base), 5, rank=4, targets=("o_proj", "up_proj"))
+    in_s3 = upload_folder(s3, adapter, "adapters/one")
+    docs = {}
+    for label, base, lora in (("local", local.base, adapter), ("s3", remote_family.base, in_s3)):
+        cfg = tmp_path / f"{label}.yaml"
+        models = [{"model": f"{base}+{lora}", "parameters": {"weight": 0.8}}]
+        cfg.write_text(yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": str(base), "models": models}))
+        docs[label] = merge(config=str(cfg), out=str(tmp_path / label), budget="50%", catalog=catalog)
+    assert docs["s3"]["digest"] == docs["local"]["digest"]
+    assert docs["s3"]["expert_bytes_read"] == docs["s3"]["expert_bytes_planned"] == docs["local"]["expert_bytes_read"]
