@@ -188,6 +188,46 @@ def write_adapter(
     return folder
 
 
+def write_tokenizer(
+    folder: str | Path,
+    letters: str = "abcdefghijklmnop",
+    merges: int = 24,
+    special: tuple[str, ...] = (),
+    added: tuple[str, ...] = (),
+    vocab_size: int | None = None,
+) -> int:
+    """A small real BPE tokenizer (tokenizers' BPE, saved by transformers: tokenizer.json and
+    tokenizer_config.json) over `letters` and their first `merges` pairs, with `special` tokens
+    added as special and `added` as plain added tokens; config.json's vocab_size is set to
+    `vocab_size` (default: the tokenizer's size) when the folder has one. Returns its size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for c in letters:
+        vocab[c] = len(vocab)
+    pairs = [(a, b) for a in letters for b in letters][:merges]
+    for a, b in pairs:
+        vocab.setdefault(a + b, len(vocab))
+    bpe = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    if special:
+        fast.add_special_tokens({"additional_special_tokens": list(special)})
+    if added:
+        fast.add_tokens(list(added))
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(folder))
+    size = len(fast.get_vocab())
+    config = folder / "config.json"
+    if config.exists():
+        data = json.loads(config.read_text())
+        data["vocab_size"] = vocab_size or size
+        config.write_text(json.dumps(data, indent=2))
+    return size
+
+
 def write_config(path: str | Path, family: FamilyPaths, merge_method: str = "task_arithmetic", **extra) -> Path:
     import yaml
 

@@ -36,7 +36,7 @@ def merge_whole(g: GroupContext, reads: TensorReads, up_front: bool = False) -> 
     def planned_rows(k: int) -> ExpertRows | None:
         if k not in runs:
             return None
-        raws = fetched[k] if k in fetched else g.reader.read_batch([requests[k]])[0]
+        raws = fetched[k] if k in fetched else g.reader.read_batch([requests[k]], read_with=[(reads.base, [raw])])[0]
         return g.expert_rows(k, name, runs[k], raws)
 
     ctx = g.tensor_context(name, base_reusable=True)

@@ -26,7 +26,7 @@ VIRTUAL = "lora:"
 # Embedding (lora_embedding_A, lora_embedding_B) layers.
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
 # Rows of a changed weight computed at a time: bounds the fp32 scratch of a large read.
-SLAB_ELEMENTS = 1 << 22
+SLAB_ELEMENTS = 1 << 18
 
 
 @dataclass(frozen=True)

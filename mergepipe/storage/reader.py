@@ -177,14 +177,23 @@ class RangeReader:
     def read_many(self, path: str, ranges: list[tuple[int, int]], *, role: str, model: str, file: str) -> list[Buffer]:
         return self.read_batch([ReadRequest(path, ranges, role, model, file)])[0]
 
-    def read_batch(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
+    def read_batch(
+        self, requests: list[ReadRequest], read_with: Iterable[tuple[ReadRequest, list[Buffer]]] = ()
+    ) -> list[list[Buffer]]:
         """Every request's ranges; remote ones are fetched together, concurrently, or taken from
-        what read_ahead fetched; those of LoRA-changed weights made from what they need."""
+        what read_ahead fetched; those of LoRA-changed weights made from what they need, their
+        model's rows taken from the batch's own ranges or from `read_with` (requests read
+        before, with their buffers, still held by the caller) where those hold them."""
         if any(adapters.is_virtual(req.file) for req in requests):
             virtual = [k for k, req in enumerate(requests) if adapters.is_virtual(req.file)]
-            made = dict(zip(virtual, self._read_changed([requests[k] for k in virtual])))
-            real = iter(self.read_batch([req for k, req in enumerate(requests) if k not in made]))
-            return [made[k] if k in made else next(real) for k in range(len(requests))]
+            real = [k for k in range(len(requests)) if k not in virtual]
+            got = dict(zip(real, self.read_batch([requests[k] for k in real])))
+            # The batch's own ranges (the base's, read with its experts') serve the model rows
+            # a change is added to, where they hold them.
+            pairs = [(requests[k], got[k]) for k in real] + list(read_with)
+            held = [(req.path, s, e, b) for req, bufs in pairs for (s, e), b in zip(req.ranges, bufs)]
+            got.update(zip(virtual, self._read_changed([requests[k] for k in virtual], held)))
+            return [got[k] for k in range(len(requests))]
         ahead: dict[int, tuple[Future, int, ReadRequest]] = {}
         with self._lock:
             for k, req in enumerate(requests):
@@ -231,11 +240,12 @@ class RangeReader:
                 self.release([buf])
         return got
 
-    def _read_changed(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
+    def _read_changed(self, requests: list[ReadRequest], held: list[tuple] = ()) -> list[list[Buffer]]:
         """The ranges of LoRA-changed weights (storage.adapters): for each range, the rows it
-        covers of the model's tensor (counted as `lora_base`) and of the factor indexed by rows
-        (counted in the request's role), read together; the other factor once per reader; then
-        the rows computed and the range cut from them."""
+        covers of the model's tensor, taken from `held` (path, start, end, buffer: what the same
+        batch read) where it holds them, else read (counted as `lora_base`), and the rows of the
+        factor indexed by rows (counted in the request's role); the other factor once per
+        reader; then the rows computed and the range cut from them."""
         parts: list[ReadRequest] = []
         wanted = []
         for req in requests:
@@ -244,20 +254,30 @@ class RangeReader:
             whole = self._whole_factor(t, req.role, req.model)
             for s, e in req.ranges:
                 r0, r1 = s // size, -(-e // size)
-                home = (t.place.start + r0 * size, t.place.start + r1 * size)
-                parts.append(ReadRequest(t.home, [home], "lora_base", req.model, t.place.file))
+                a, b = t.place.start + r0 * size, t.place.start + r1 * size
+                home = next(
+                    (
+                        memoryview(buf)[a - hs : b - hs]
+                        for p, hs, he, buf in held
+                        if p == t.home and hs <= a and b <= he
+                    ),
+                    None,
+                )
+                if home is None:
+                    parts.append(ReadRequest(t.home, [(a, b)], "lora_base", req.model, t.place.file))
                 parts.append(ReadRequest(t.adapter, t.factor_ranges(r0, r1), req.role, req.model, ADAPTER_WEIGHTS))
-                wanted.append((t, whole, r0, r1, s, e))
+                wanted.append((t, whole, r0, r1, s, e, home))
         got = iter(self.read_batch(parts))
         out: list[list[Buffer]] = [[] for _ in requests]
         at = 0
         for k, req in enumerate(requests):
             for _ in req.ranges:
-                t, whole, r0, r1, s, e = wanted[at]
+                t, whole, r0, r1, s, e, home = wanted[at]
                 at += 1
-                (home_rows,), factor = next(got), next(got)
-                rows = adapters.changed_rows(t, home_rows, factor, whole, r0, r1)
-                self.release([home_rows, *factor])
+                mine = [] if home is not None else next(got)  # read here: given back once used
+                factor = next(got)
+                rows = adapters.changed_rows(t, home if home is not None else mine[0], factor, whole, r0, r1)
+                self.release([*mine, *factor])
                 offset = r0 * t.row_bytes
                 out[k].append(bytearray(encode(rows)[s - offset : e - offset]))
         return out
