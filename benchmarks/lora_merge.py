@@ -8,7 +8,7 @@ storage.adapters.changed_rows, so both forms merge to the same bytes). Then, wit
 cache each time, the same task-arithmetic merge at 100% from the adapters and from the full
 models: the index pass and the merge, wall time, peak RSS and bytes read per role.
 
-    .venv/bin/python benchmarks/lora_merge.py --data /work/bench-data/lora --json results/lora_merge.json
+    .venv/bin/python benchmarks/lora_merge.py --data /work/bench-data/lora --json benchmarks/results/lora/3-after.json
 
 writes about 13 GB under --data (check `df` first) and deletes nothing: pass --clean to remove it
 at the end. --layers and --hidden shrink it for a quick try.

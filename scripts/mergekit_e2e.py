@@ -15,11 +15,13 @@ What it does (deterministic; every tensor comes from a seeded `torch.Generator`)
        WizardLM/WizardMath-13B-V1.0   expert: different delta; embed_tokens untouched
 
    Each is a folder with `config.json` and `model.safetensors` (no tokenizer files). Deltas are
-   1-5% of the weight's scale and differ per expert and per layer.
+   1-5% of the weight's scale and differ per expert and per layer. Beside them, two PEFT LoRA
+   adapters for the base's shapes (mergepipe.devtools.synthetic.write_adapter) under adapters/.
 
 2. Writes the merge configs (ties.yml is mergekit's examples/ties.yml verbatim) next to them.
 
-3. Runs `mergekit-yaml <config> <tmp dir> --no-copy-tokenizer --no-write-model-card` for each
+3. Runs `mergekit-yaml <config> <tmp dir> --no-copy-tokenizer --no-write-model-card` (and
+   `--lora-merge-cache` in a temporary folder for the LoRA configs) for each
    config with cwd = tests/data/mergekit_e2e and HF_HUB_OFFLINE=1 / TRANSFORMERS_OFFLINE=1,
    gathers the (possibly sharded) output into `expected/<case>.safetensors` (tensor names and
    dtypes exactly as mergekit wrote them) and records every case in `cases.json` (config,
@@ -58,6 +60,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mergepipe.devtools.synthetic import write_adapter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT_DIR = ROOT / "tests" / "data" / "mergekit_e2e"
@@ -201,7 +206,7 @@ def build_family(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
     for m, tensors in family.items():
         write_model(dest / m, tensors, llama_config())
     for folder, spec in ADAPTERS.items():
-        write_adapter(dest / folder, base, **spec)
+        write_adapter(dest / folder, base, SEED ^ zlib.crc32(folder.encode()), scale=0.1, **spec)
     return family
 
 
@@ -209,66 +214,17 @@ def build_family(dest: Path) -> dict[str, dict[str, torch.Tensor]]:
 # for the family's shapes: fp32 factors on q and v; bf16 factors with rsLoRA on the MLP and the
 # embedding (PEFT's lora_embedding_A/B), with an alpha pattern for one module.
 ADAPTERS = {
-    "adapters/qv": {"tag": "qv", "targets": ("q_proj", "v_proj"), "rank": 4, "alpha": 8, "dtype": torch.float32},
+    "adapters/qv": {"targets": ("q_proj", "v_proj"), "rank": 4, "alpha": 8, "dtype": torch.float32},
     "adapters/mlp-rs": {
-        "tag": "mlp-rs",
         "targets": ("gate_proj", "down_proj"),
         "rank": 8,
         "alpha": 16,
         "dtype": torch.bfloat16,
-        "rslora": True,
+        "use_rslora": True,
         "embedding": True,
         "alpha_pattern": {"layers.1.mlp.gate_proj": 24},
     },
 }
-
-
-def write_adapter(
-    folder: Path,
-    base: dict[str, torch.Tensor],
-    *,
-    tag: str,
-    targets: tuple[str, ...],
-    rank: int,
-    alpha: float,
-    dtype: torch.dtype,
-    rslora: bool = False,
-    embedding: bool = False,
-    alpha_pattern: dict | None = None,
-) -> None:
-    g = _gen(f"adapter/{tag}")
-    tensors = {}
-    for name in sorted(base):
-        module = name.removesuffix(".weight")
-        kind = module.rsplit(".", 1)[-1]
-        if kind in targets:
-            out, inp = base[name].shape
-            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.1).to(dtype)
-            tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.1).to(dtype)
-        elif embedding and kind == "embed_tokens":
-            vocab, hidden = base[name].shape
-            tensors[f"base_model.model.{module}.lora_embedding_A"] = (torch.randn(rank, vocab, generator=g) * 0.1).to(
-                dtype
-            )
-            tensors[f"base_model.model.{module}.lora_embedding_B"] = (torch.randn(hidden, rank, generator=g) * 0.1).to(
-                dtype
-            )
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": rank,
-        "lora_alpha": alpha,
-        "use_rslora": rslora,
-        "target_modules": sorted(set(targets) | ({"embed_tokens"} if embedding else set())),
-        "alpha_pattern": alpha_pattern or {},
-        "rank_pattern": {},
-        "fan_in_fan_out": False,
-        "bias": "none",
-        "lora_dropout": 0.0,
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
 # --------------------------------------------------------------------------- configs

@@ -38,3 +38,26 @@ def test_runner_is_checked_before_any_work(bf16_family, tmp_path, session_catalo
     result = CliRunner().invoke(app, ["merge", str(cfg), "--out", str(tmp_path / "out"), "--dask-address", "tcp://x:1"])
     assert result.exit_code == 2 and "only with runner 'dask'" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_dask_workers_read_lora_experts_from_the_plan_alone(bf16_family, tmp_path, session_catalog, prefect_flows):
+    """A worker process has only the plan: the LoRA recipes it records are enough to read."""
+    import yaml
+
+    from mergepipe.devtools.synthetic import write_adapter
+
+    from .reference import load_model
+
+    adapter = write_adapter(tmp_path / "adapter", load_model(bf16_family.base), 3, rank=4)
+    models = [
+        {"model": str(bf16_family.experts[0]), "parameters": {"weight": 0.5}},
+        {"model": f"{bf16_family.base}+{adapter}", "parameters": {"weight": 0.9}},
+    ]
+    cfg = tmp_path / "lora.yaml"
+    cfg.write_text(
+        yaml.safe_dump({"merge_method": "task_arithmetic", "base_model": str(bf16_family.base), "models": models})
+    )
+    threads = merge(config=str(cfg), out=str(tmp_path / "threads"), catalog=session_catalog)
+    dask = merge(config=str(cfg), out=str(tmp_path / "dask"), catalog=session_catalog, runner="dask")
+    assert dask["digest"] == threads["digest"]
+    assert dask["expert_bytes_read"] == threads["expert_bytes_read"] == dask["expert_bytes_planned"]

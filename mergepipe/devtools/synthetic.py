@@ -145,12 +145,13 @@ def write_adapter(
     use_rslora: bool = False,
     dtype: torch.dtype = torch.float32,
     embedding: bool = False,
+    scale: float = 0.05,
     **config,
 ) -> Path:
     """A PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) for the base's
     weights named by `targets` (and its embedding with `embedding`), as PEFT saves one: factors
-    lora_A [r, in] and lora_B [out, r] per module under base_model.model.<module>. `config`:
-    further adapter_config.json keys."""
+    lora_A [r, in] and lora_B [out, r] per module under base_model.model.<module>, entries
+    N(0, scale²). `config`: further adapter_config.json keys."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
@@ -159,17 +160,21 @@ def write_adapter(
         module = name.removesuffix(".weight")
         if base[name].dim() == 2 and module.rsplit(".", 1)[-1] in targets:
             out, inp = base[name].shape
-            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * 0.05).to(dtype)
-            tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * 0.05).to(dtype)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.randn(rank, inp, generator=g) * scale).to(
+                dtype
+            )
+            tensors[f"base_model.model.{module}.lora_B.weight"] = (torch.randn(out, rank, generator=g) * scale).to(
+                dtype
+            )
             modules.append(module.rsplit(".", 1)[-1])
         elif embedding and name == "model.embed_tokens.weight":
             vocab, hidden = base[name].shape
-            tensors[f"base_model.model.{module}.lora_embedding_A"] = (torch.randn(rank, vocab, generator=g) * 0.05).to(
+            tensors[f"base_model.model.{module}.lora_embedding_A"] = (torch.randn(rank, vocab, generator=g) * scale).to(
                 dtype
             )
-            tensors[f"base_model.model.{module}.lora_embedding_B"] = (torch.randn(hidden, rank, generator=g) * 0.05).to(
-                dtype
-            )
+            tensors[f"base_model.model.{module}.lora_embedding_B"] = (
+                torch.randn(hidden, rank, generator=g) * scale
+            ).to(dtype)
             modules.append("embed_tokens")
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     settings = {

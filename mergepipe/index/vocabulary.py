@@ -8,7 +8,7 @@ the row of the one model that has it, else the base's, else the average of the m
 it, else a `tokens:` entry's source (a model's row for the token, or for another token or id, or
 zero). Rows past the vocabulary, up to a multiple of `pad_to_multiple_of`, are each model's mean
 row. Not wired into merges yet: this module is the part that decides; planning and reading on
-the output's rows come next (docs/benchmarks.md notes what is left).
+the output's rows come next.
 """
 
 from __future__ import annotations
