@@ -252,3 +252,18 @@ def test_lora_experts_in_streamed_and_windowed_forms(lora_family, tmp_path, sess
         "model.layers.1.mlp.gate_proj.weight",
     }
     assert changed <= set(seen)
+
+
+def test_one_adapter_on_two_inputs_is_read_for_each(lora_family, tmp_path, session_catalog):
+    """The same adapter on the base and on another model, and listed twice: each input reads
+    its factors, as planned."""
+    from mergepipe.flows.merge import merge
+
+    fam, _, first, _ = lora_family
+    models = [
+        {"model": f"{fam.base}+{first}", "parameters": {"weight": 0.5}},
+        {"model": f"{fam.experts[0]}+{first}", "parameters": {"weight": 0.3}},
+        {"model": f"{fam.base}+{first}", "parameters": {"weight": 0.2}},
+    ]
+    r = merge(config=str(_config(tmp_path / "c.yml", fam, models)), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert r["expert_bytes_read"] == r["expert_bytes_planned"]

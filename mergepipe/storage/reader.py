@@ -139,7 +139,7 @@ class RangeReader:
         self._lock = threading.Lock()
         self._open = True
         self._lent: dict[int, mmap.mmap] = {}  # the mappings of direct reads not given back yet
-        self._factors: dict[tuple[str, int], torch.Tensor] = {}  # LoRA factors read whole (_whole_factor)
+        self._factors: dict[tuple[str, str, int], torch.Tensor] = {}  # LoRA factors read whole (_whole_factor)
         self._factor_lock = threading.Lock()
         DIRECT_BUFFERS.reader_opened()
 
@@ -228,9 +228,10 @@ class RangeReader:
         return out
 
     def _whole_factor(self, t: adapters.LoraTensor, role: str, model: str) -> torch.Tensor:
-        """The factor every row of a changed weight needs, read once by this reader (the plan
-        counts it once per weight and expert) and kept while the reader is open."""
-        key = (t.adapter, t.whole.start)
+        """The factor every row of a changed weight needs, read once by this reader for each
+        input reading it (the plan counts it once per weight and expert, even where two experts
+        share an adapter) and kept while the reader is open."""
+        key = (model, t.adapter, t.whole.start)
         with self._factor_lock:
             got = self._factors.get(key)
             if got is None:
