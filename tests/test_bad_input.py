@@ -355,9 +355,10 @@ def mergekit_slices(fam, cfg):
     return f"{fam.base}: layer_range [0, 99) but the model has"
 
 
-def tokenizer_union(fam, cfg):
-    _edit_config(cfg, tokenizer_source="union")
-    return "tokenizer_source: only `base` is supported"
+def tokenizer_source_elsewhere(fam, cfg):
+    """A tokenizer source that is not among the merge's models."""
+    _edit_config(cfg, tokenizer_source="org/other-model")
+    return "tokenizer_source: 'org/other-model' is not among the merge's models"
 
 
 def lora_reference(fam, cfg):
@@ -423,7 +424,7 @@ CASES = [
     config_not_a_mapping,
     missing_expert_folder,
     mergekit_slices,
-    tokenizer_union,
+    tokenizer_source_elsewhere,
     lora_reference,
     condition_with_unknown_key,
     weight_filter_misses_a_tensor,

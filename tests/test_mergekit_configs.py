@@ -158,9 +158,20 @@ def test_base_among_models(tmp_path):
     "key,value,match",
     [
         ("modules", {"text": {}}, "modules: not supported"),
-        ("tokenizer", {"source": "union"}, "tokenizer: not supported"),
-        ("tokenizer_source", "union", "tokenizer_source: only `base`"),
-        ("tokenizer_source", "org/other-model", "tokenizer_source: only `base`"),
+        ("tokenizer_source", "org/other-model", "tokenizer_source: 'org/other-model' is not among the merge's models"),
+        ("tokenizer", {"source": "org/x"}, "tokenizer.source: 'org/x' is not among the merge's models"),
+        (
+            "tokenizer",
+            {"source": "union", "tokens": {"<t>": {"source": "org/x"}}},
+            "tokenizer.tokens.<t>.source: 'org/x'",
+        ),
+        ("tokenizer", {"source": "union", "pad_to_multiple_of": 0}, "pad_to_multiple_of"),
+        (
+            "tokenizer",
+            {"source": "union", "tokens": {"<t>": {"source": {"kind": "one"}}}},
+            "kind: `zero` or `model_token`",
+        ),
+        ("tokenizer", {"source": "union", "extra": 1}, "extra"),
     ],
 )
 def test_unsupported_mergekit_keys_are_refused_by_name(tmp_path, key, value, match):

@@ -578,3 +578,24 @@ def test_a_lora_adapter_in_s3_gives_the_local_digest(s3, families, catalog, tmp_
         docs[label] = merge(config=str(cfg), out=str(tmp_path / label), budget="50%", catalog=catalog)
     assert docs["s3"]["digest"] == docs["local"]["digest"]
     assert docs["s3"]["expert_bytes_read"] == docs["s3"]["expert_bytes_planned"] == docs["local"]["expert_bytes_read"]
+
+
+def test_vocabularies_from_s3_give_the_local_digest(s3, catalog, tmp_path):
+    """Models whose vocabularies differ, their tokenizer files read from S3: the same tokenizer
+    and digest as from local folders, bytes read = plan."""
+    pytest.importorskip("transformers")
+    from .test_vocabulary_merge import E2E, _config, meaning
+
+    local = _config("tokens", tmp_path / "local.yml")
+    remote = tmp_path / "s3.yml"
+    text = local.read_text()
+    for name in ("base", "chat", "other"):
+        text = text.replace(str(E2E / name), upload_folder(s3, E2E / name, f"vocab/{name}"))
+    remote.write_text(text)
+    docs = {
+        label: merge(config=str(cfg), out=str(tmp_path / label), budget="50%", catalog=catalog)
+        for label, cfg in (("local", local), ("s3", remote))
+    }
+    assert docs["s3"]["digest"] == docs["local"]["digest"]
+    assert docs["s3"]["expert_bytes_read"] == docs["s3"]["expert_bytes_planned"] == docs["local"]["expert_bytes_read"]
+    assert meaning(tmp_path / "s3") == meaning(tmp_path / "local")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mergepipe.config.vocabulary import TokenSource, VocabularySpec
 from mergepipe.errors import BadInput
-from mergepipe.index.vocabulary import TokenSource, VocabularySpec, build_vocabulary, load_tokenizer, permuted
+from mergepipe.index.vocabulary import build_vocabulary, load_tokenizer, permuted
 
 pytest.importorskip("transformers")
 

@@ -9,6 +9,8 @@
 -- Blocks whose delta is zero everywhere (nnz_delta = 0) are not candidates: reading them
 -- costs bytes and changes nothing. Nor, with $skip_zero (the operator multiplies each delta by
 -- its coefficient), are pairs whose coefficient is 0, unless their delta is NaN or Inf.
+-- A pair that costs no bytes of its own (a padded vocabulary's padding rows, made from rows
+-- read once per tensor, which the plan counts apart) ranks first among the finite.
 -- Inputs: $base_fp, $block_size, and the registered table
 --   plan_coefficients_in(expert, expert_fp, tensor, coefficient): c_k per tensor (filters and
 --   gradients in the config make it vary).
@@ -20,7 +22,7 @@ WITH cand AS (
     FROM block_stats s
     JOIN plan_coefficients_in e ON e.expert_fp = s.expert_fp AND e.tensor = s.tensor
     JOIN blocks b ON b.base_fp = s.base_fp AND b.block_size = s.block_size AND b.tensor = s.tensor AND b.block = s.block
-    WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0 AND s.bytes > 0
+    WHERE s.base_fp = $base_fp AND s.block_size = $block_size AND s.nnz_delta > 0
       AND NOT ($skip_zero AND e.coefficient = 0 AND NOT isinf(s.delta_sq))
 ), valued AS (
     SELECT *,
@@ -33,4 +35,4 @@ SELECT row_number() OVER w AS rank,
        sum(bytes) OVER (w ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW) AS cum_bytes,
        false AS selected
 FROM valued
-WINDOW w AS (ORDER BY value / bytes DESC, expert, tensor, block);
+WINDOW w AS (ORDER BY CASE WHEN bytes = 0 THEN 'inf'::DOUBLE ELSE value / bytes END DESC, expert, tensor, block);

@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import keyword
 import re
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
@@ -31,6 +32,7 @@ from mergepipe.config.settings import parse_setting
 from mergepipe.config.sizes import Budget, parse_budget, parse_size
 from mergepipe.config.stages import NAME, stage_documents, stage_names
 from mergepipe.config.templates import check_chat_template
+from mergepipe.config.vocabulary import BASE, UNION, TokenSource, VocabularySpec
 from mergepipe.errors import BadInput
 from mergepipe.operators import OPERATORS, declared_parameters, get_operator
 from mergepipe.storage.hub import HUB as HUB_SCHEME
@@ -220,8 +222,65 @@ class OutputSlice(_Strict):
 
 _UNSUPPORTED_KEYS = {
     "modules": "it merges whole models; use the `models:` or `slices:` form",
-    "tokenizer": "the output takes the base's tokenizer, as with `tokenizer_source: base`",
 }
+
+
+class TokenEntry(_Strict):
+    """A `tokenizer.tokens` entry (mergekit's TokenEmbeddingConfig): `source` is a model
+    reference, {kind: zero}, or {kind: model_token, model: M, token: T | token_id: N}."""
+
+    source: str | dict[str, Any] | None = None
+    force: bool = False
+
+    @field_validator("source", mode="before")
+    @classmethod
+    def _source(cls, v: Any) -> Any:
+        if v is None or isinstance(v, str):
+            return v
+        if not isinstance(v, dict):
+            raise ValueError("a token's source is a model, {kind: zero} or {kind: model_token, model: M, token: T}")
+        kind = v.get("kind")
+        allowed = {"zero": {"kind"}, "model_token": {"kind", "model", "token", "token_id"}}.get(kind)
+        if allowed is None:
+            raise ValueError(f"kind: `zero` or `model_token`, got {kind!r}")
+        unknown = sorted(set(v) - allowed)
+        if unknown:
+            raise ValueError(f"{unknown[0]}: not a key of a {kind} source")
+        if kind == "model_token":
+            if not isinstance(v.get("model"), str):
+                raise ValueError("a model_token source names its model")
+            if (v.get("token") is None) == (v.get("token_id") is None):
+                raise ValueError("a model_token source takes one of token and token_id")
+            if v.get("token_id") is not None and (
+                isinstance(v["token_id"], bool) or not isinstance(v["token_id"], int)
+            ):
+                raise ValueError("token_id: a whole number")
+        return v
+
+    def typed(self) -> TokenSource:
+        s = self.source
+        if s is None:
+            return TokenSource(force=self.force)
+        if isinstance(s, str):
+            return TokenSource("model", s, force=self.force)
+        if s["kind"] == "zero":
+            return TokenSource("zero", force=self.force)
+        return TokenSource("model_token", s["model"], s.get("token"), s.get("token_id"), self.force)
+
+
+class TokenizerSection(_Strict):
+    """mergekit's `tokenizer:` section. `tokens` is kept as (token, entry) pairs in the
+    config's order (the order tokens are added in), which a mapping recorded as JSON with
+    sorted keys would lose; a recorded spec gives it back as such pairs."""
+
+    source: str = UNION
+    tokens: list[tuple[str, TokenEntry]] | None = None
+    pad_to_multiple_of: int | None = Field(default=None, gt=0)
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens(cls, v: Any) -> Any:
+        return list(v.items()) if isinstance(v, dict) else v
 
 
 class MergeSpec(_Strict):
@@ -240,8 +299,10 @@ class MergeSpec(_Strict):
     parameters: GlobalParameters = GlobalParameters()
     dtype: DTypeName | None = None
     out_dtype: DTypeName | None = None
-    # Only "base": the base's tokenizer files are copied with its other sidecar files.
-    tokenizer_source: Literal["base"] | None = None
+    # The output's vocabulary (config/vocabulary.py): `base`, `union` or a model's location; or
+    # the `tokenizer:` section, which adds `tokens` and `pad_to_multiple_of` (not both keys).
+    tokenizer_source: str | None = None
+    tokenizer: TokenizerSection | None = None
     # The output tokenizer's chat template (config/templates.py): `auto` (the inputs' most
     # common), a built-in template's name, or a Jinja template; saved as chat_template.jinja.
     chat_template: str | None = None
@@ -288,11 +349,8 @@ class MergeSpec(_Strict):
             for key, why in _UNSUPPORTED_KEYS.items():
                 if key in data:
                     raise BadInput(f"{key}: not supported by mergepipe ({why})")
-            source = data.get("tokenizer_source")
-            if source is not None and source != "base":
-                raise BadInput(
-                    f"tokenizer_source: only `base` is supported (the base's tokenizer files are copied), got {source!r}"
-                )
+            if data.get("tokenizer_source") is not None and data.get("tokenizer") is not None:
+                raise BadInput("tokenizer_source and tokenizer: give one of them (tokenizer.source is the same thing)")
         return data
 
     @field_validator("base_model", mode="before")
@@ -387,6 +445,15 @@ class MergeSpec(_Strict):
         return self.rank_by == "delta_over_sqrt_base"
 
     @property
+    def vocabulary(self) -> VocabularySpec | None:
+        """The output vocabulary the config asks for (None: the base's files, as they are)."""
+        if self.tokenizer is not None:
+            t = self.tokenizer
+            tokens = {k: e.typed() for k, e in t.tokens or ()}
+            return VocabularySpec(t.source, tokens, t.pad_to_multiple_of)
+        return None if self.tokenizer_source is None else VocabularySpec(self.tokenizer_source)
+
+    @property
     def base_entry(self) -> ModelEntry | None:
         """The base's own entry among `models:`, if the config lists it (mergekit's examples
         often do): its parameters count only where the operator takes the base as an input."""
@@ -456,6 +523,7 @@ class MergeSpec(_Strict):
             "allow_empty",
             "memory",
             "tokenizer_source",
+            "tokenizer",
             "hub",
             "write_model_card",
         }
@@ -466,6 +534,9 @@ class MergeSpec(_Strict):
         exclude |= {"models"} if self.slices else {"slices"}  # a models: spec's digest is as before slices
         data = self.model_dump(by_alias=True, exclude=exclude)
         data["base_model"] = "base"
+        vocabulary = self.vocabulary
+        if vocabulary is not None and (vocabulary.source != BASE or vocabulary.tokens or vocabulary.pad_to_multiple_of):
+            data["vocabulary"] = self._vocabulary_content(vocabulary)
         data["parameters"] = _digest_form(self.parameters, _DIGEST_GLOBAL_KEYS)
         if self.slices:  # models named by their place among those the config names
             label = {u: "base" if u == self.base_model else f"model-{i}" for i, u in enumerate(self.model_uris)}
@@ -498,6 +569,20 @@ class MergeSpec(_Strict):
         data["block_size"] = self.block_size_bytes
         data["out_shard_size"] = self.out_shard_size_bytes
         return data
+
+    def _vocabulary_content(self, v: VocabularySpec) -> dict:
+        """The vocabulary as it enters digests: models named by their place among the config's."""
+        label = {u: "base" if u == self.base_model else f"model-{i}" for i, u in enumerate(self.model_uris)}
+        label |= {lora_parts(u)[0]: label[u] for u in self.model_uris if lora_parts(u)[0] not in label}
+
+        def entry(t: TokenSource) -> dict:
+            return {**asdict(t), "model": label.get(t.model, t.model)}
+
+        return {
+            "source": label.get(v.source, v.source),
+            "tokens": [[token, entry(t)] for token, t in v.tokens.items()],
+            "pad_to_multiple_of": v.pad_to_multiple_of,
+        }
 
     def recorded(self) -> dict:
         """The spec as plans and manifests record it: model locations, no storage options."""
@@ -649,13 +734,45 @@ def load_spec(
         )
         for sl in spec.slices or ()
     ]
-    return spec.model_copy(
+    resolved = spec.model_copy(
         update={
             "base_model": at(spec.base_model),
             "models": [m.model_copy(update={"model": at(m.model)}) for m in spec.models],
             "slices": slices or None,
         }
     )
+    return _resolve_vocabulary(resolved, at, path)
+
+
+def _resolve_vocabulary(spec: MergeSpec, at, path: str) -> MergeSpec:
+    """The vocabulary's model references resolved as the models' are, each one a model of the
+    merge (a tokenizer comes from the model, not from an adapter on it)."""
+    homes = {lora_parts(u)[0] for u in spec.model_uris} | set(spec.model_uris)
+    v = spec.vocabulary
+    if spec.slices and v is not None and (v.source != BASE or v.tokens or v.pad_to_multiple_of):
+        raise BadInput(f"{path}: a `slices:` merge takes the base's vocabulary (tokenizer_source: base)")
+
+    def model(key: str, ref: str) -> str:
+        where = at(ref)
+        if where not in homes:
+            raise BadInput(f"{path}: {key}: {ref!r} is not among the merge's models")
+        return where
+
+    if spec.tokenizer_source not in (None, UNION, BASE):
+        return spec.model_copy(update={"tokenizer_source": model("tokenizer_source", spec.tokenizer_source)})
+    t = spec.tokenizer
+    if t is None:
+        return spec
+    tokens = []
+    for token, e in t.tokens or ():
+        key = f"tokenizer.tokens.{token}.source"
+        if isinstance(e.source, str):
+            e = e.model_copy(update={"source": model(key, e.source)})
+        elif isinstance(e.source, dict) and "model" in e.source:
+            e = e.model_copy(update={"source": {**e.source, "model": model(key + ".model", e.source["model"])}})
+        tokens.append((token, e))
+    source = t.source if t.source in (UNION, BASE) else model("tokenizer.source", t.source)
+    return spec.model_copy(update={"tokenizer": t.model_copy(update={"source": source, "tokens": tokens or t.tokens})})
 
 
 def stage_output(intermediate_dir: str, name: str) -> str:

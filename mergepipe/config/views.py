@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mergepipe.config.spec import MergeSpec, lora_parts
+from mergepipe.config.vocabulary import VocabularySpec
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,12 @@ class ModelView:
 
 @dataclass(frozen=True)
 class InputViews:
-    """The base's view and each expert's, in the order of the merge's inputs."""
+    """The base's view and each expert's, in the order of the merge's inputs; vocabulary: the
+    output vocabulary the config asks for (None: the base's, as it is)."""
 
     base: ModelView
     experts: tuple[ModelView, ...]
+    vocabulary: VocabularySpec | None = None
 
     @property
     def all(self) -> list[ModelView]:
@@ -77,7 +80,7 @@ def input_views(spec: MergeSpec) -> InputViews:
             home, adapter = lora_parts(ref)
             return ModelView(home, adapter=adapter)
 
-        return InputViews(view(spec.base_model), tuple(map(view, spec.expert_uris)))
+        return InputViews(view(spec.base_model), tuple(map(view, spec.expert_uris)), spec.vocabulary)
     roles = spec.slice_roles()
     first, last = spec.slices[0], spec.slices[-1]
 

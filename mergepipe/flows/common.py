@@ -338,7 +338,7 @@ def execute_plan(ex: Execution) -> dict:
             plan, expert_read = ex.plan, ledger.total("expert")
             ex.timings["index_in_merge"] = time.perf_counter() - t_index
         t_finish = time.perf_counter()
-        output, card, rows = run_task(finish_output, ex.saved_plan, staging)
+        output, outside, rows = run_task(finish_output, ex.saved_plan, staging)
         ledger.merge(rows)
         ex.timings["finish"] = time.perf_counter() - t_finish
         run = {
@@ -367,7 +367,9 @@ def execute_plan(ex: Execution) -> dict:
             "workers": dict(sorted(results.workers.items())),
             "timings": ex.timings,
             "memory": memory.as_json(),
-            "model_card": card,  # outside the digest: it names where the inputs were read
+            # outside the digest: the card names where the inputs were read; a built tokenizer's
+            # files depend on the transformers version that saved them
+            **outside,
         }
         if request.stage_inputs:  # the earlier stages of a multi-document config this one read
             run["stages"] = [

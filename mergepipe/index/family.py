@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from dataclasses import dataclass
 from operator import itemgetter
+from pathlib import Path
 
+from mergepipe import torch
 from mergepipe.config.spec import MODEL_LOCATION, expert_label
 from mergepipe.config.views import InputViews, ModelView
+from mergepipe.config.vocabulary import BASE
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import before_layers, layer_count, layer_index, with_layer
-from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor, adapter_targets, register
+from mergepipe.index.vocabulary import build_vocabulary, config_vocab_size, is_identity, load_tokenizer, row_sources
+from mergepipe.storage import virtual
+from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor, adapter_targets
 from mergepipe.storage.canonical import digest_of
-from mergepipe.storage.model_files import Layout, Layouts, ModelFiles, adapter_config, is_adapter, read_models
+from mergepipe.storage.model_files import (
+    TOKENIZER_FILES,
+    Layout,
+    Layouts,
+    ModelFiles,
+    adapter_config,
+    copy_sidecars,
+    is_adapter,
+    read_models,
+)
 from mergepipe.storage.reader import RangeReader, fingerprint
-from mergepipe.storage.safetensors_format import DTYPES, TensorPlace
+from mergepipe.storage.safetensors_format import DTYPES, TensorPlace, tensor_nbytes
+from mergepipe.storage.vocab_rows import VocabTensor
+
+CONFIG = "config.json"
 
 
 def model_fingerprint(model: ModelFiles) -> str:
@@ -94,8 +114,120 @@ def load_views(views: InputViews, reader: RangeReader) -> Family:
     models = dict(zip(wanted, read_models(list(wanted.items()), reader, layouts)))
     built: dict[tuple, Layout] = {}
     base, *experts = (view_of(v, models, built) for v in views.all)
+    if views.vocabulary is not None:
+        base, *experts = vocabulary_views(views, [base, *experts], models)
     validate_family(base, experts)
     return Family(base, experts)
+
+
+def model_tokenizers(homes: list[ModelFiles]) -> tuple[list, list[int | None]]:
+    """Each model's tokenizer (None where it has no tokenizer files) and its config's vocab_size,
+    its files copied from wherever the model lies; each model once."""
+    tokenizers: dict[str, tuple] = {}
+    with tempfile.TemporaryDirectory(prefix="mergepipe-tokenizer-") as tmp:
+        for model in homes:
+            if model.uri in tokenizers:
+                continue
+            folder = os.path.join(tmp, str(len(tokenizers)))
+            copied = copy_sidecars(model, TOKENIZER_FILES, folder)
+            config = None
+            if CONFIG in copied:
+                try:
+                    config = json.loads(Path(folder, CONFIG).read_text())
+                except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                    raise BadInput(f"{model.path(CONFIG)}: not valid JSON ({err})") from None
+            has = set(copied) - {CONFIG, "chat_template.jinja"}
+            tokenizer = load_tokenizer(folder) if has else None
+            tokenizers[model.uri] = (tokenizer, config_vocab_size(config if isinstance(config, dict) else None))
+    got = [tokenizers[m.uri] for m in homes]
+    return [t for t, _ in got], [v for _, v in got]
+
+
+def _vocab_tensors(model: ModelFiles, vocab_size: int | None) -> list[str]:
+    """The tensors indexed by token: outside the layers, 2-D, vocab_size rows."""
+    if vocab_size is None:
+        raise BadInput(
+            f"{model.uri}: its config.json states no vocab_size, so which tensors are indexed by token cannot be told"
+        )
+    found = [
+        n for n, t in model.tensors.items() if layer_index(n) is None and len(t.shape) == 2 and t.shape[0] == vocab_size
+    ]
+    if not found:
+        raise BadInput(f"{model.uri}: no tensor outside the layers has vocab_size ({vocab_size}) rows")
+    return found
+
+
+def vocabulary_views(views: InputViews, inputs: list[ModelFiles], models: dict[str, ModelFiles]) -> list[ModelFiles]:
+    """The inputs with their vocabulary-indexed tensors (embedding, head) on the output
+    vocabulary's rows (index/vocabulary), each made when read from the rows it needs of every
+    input's tensor (storage.vocab_rows); the inputs as they are where nothing moves."""
+    spec = views.vocabulary
+    homes = [models[v.home] for v in views.all]
+    tokenizers, sizes = model_tokenizers(homes)
+    if tokenizers[0] is None:
+        if spec.source == BASE and not spec.tokens and not spec.pad_to_multiple_of:
+            return inputs  # the base's files, as they are
+        raise BadInput(
+            f"{homes[0].uri}: the base has no tokenizer files, and the output's vocabulary is built from them"
+        )
+    names = [v.home for v in views.all]
+    vocab_names = _vocab_tensors(inputs[0], sizes[0])
+    for model, size, tokenizer in zip(inputs[1:], sizes[1:], tokenizers[1:]):
+        # a model with neither tokenizer nor vocab_size is taken as the base's (as mergekit does)
+        theirs = _vocab_tensors(model, sizes[0] if size is None and tokenizer is None else size)
+        if theirs != vocab_names:
+            odd = sorted(set(theirs) ^ set(vocab_names))[0]
+            raise BadInput(f"{model.uri}: tensor {odd!r} is indexed by token in one model and not in another")
+    rows = [m.tensors[vocab_names[0]].shape[0] for m in inputs]
+    _, vocabulary = build_vocabulary(spec, names, 0, tokenizers, sizes, rows)
+    if is_identity(vocabulary, rows):
+        return inputs
+    out = []
+    for m, model in enumerate(inputs):
+        copies, averages = row_sources(vocabulary, m)
+        tensors = dict(model.tensors)
+        files = dict(model.fingerprints)
+        made = dict(model.virtual)
+        for name in vocab_names:
+            sources = []
+            for other in inputs:
+                t = other.tensors[name]
+                if virtual.is_virtual(t.file):
+                    raise BadInput(
+                        f"{other.uri}: {name!r} is changed by a LoRA adapter and its rows are remapped to the output's vocabulary: not supported"
+                    )
+                where = other.path(t.file)
+                files.setdefault(t.file if other.root == model.root else where, other.fingerprints[t.file])
+                sources.append((where, t))
+            dtype = _promoted([t.dtype for _, t in sources])
+            shape = (vocabulary.size, *model.tensors[name].shape[1:])
+            place = TensorPlace("", dtype, shape, 0, tensor_nbytes(dtype, shape))
+            recipe = VocabTensor(place, tuple(sources), tuple(copies), tuple(averages), len(vocabulary.tokens))
+            file = virtual.register(recipe)
+            made[file] = recipe
+            tensors[name] = place._replace(file=file)
+        key = digest_of(sorted(made))[:16]
+        out.append(
+            ModelFiles(
+                uri=f"{model.uri}#vocabulary={key}",
+                root=model.root,
+                shards=list(model.shards),
+                sidecars=list(model.sidecars),
+                fingerprints=files,
+                layout=Layout.of(tensors),
+                header_bytes=dict(model.header_bytes),
+                virtual=made,
+            )
+        )
+    return out
+
+
+def _promoted(dtypes: list[str]) -> str:
+    """The safetensors dtype that these promote to (as torch promotes them)."""
+    got = DTYPES[dtypes[0]].torch
+    for d in dtypes[1:]:
+        got = torch.promote_types(got, DTYPES[d].torch)
+    return next(name for name, d in DTYPES.items() if d.torch == got)
 
 
 def view_of(view: ModelView, models: dict[str, ModelFiles], built: dict[tuple, Layout]) -> ModelFiles:
@@ -165,7 +297,7 @@ def lora_view(view: ModelView, home: ModelFiles, adapter: ModelFiles, built: dic
     for name, (a, b, scale, transposed) in targets.items():
         place = home.tensors[name]
         recipe = LoraTensor(home.path(place.file), place, weights, a, b, scale, transposed)
-        file = register(recipe)
+        file = virtual.register(recipe)
         lora[file] = recipe
         tensors[name] = TensorPlace(file, place.dtype, place.shape, 0, place.nbytes)
     # The adapter's files identify the view with the model's: its config holds the scales.
@@ -180,5 +312,5 @@ def lora_view(view: ModelView, home: ModelFiles, adapter: ModelFiles, built: dic
         fingerprints=files,
         layout=built.setdefault(key, Layout.of(tensors)),
         header_bytes={**home.header_bytes, weights: adapter.header_bytes[ADAPTER_WEIGHTS]},
-        lora=lora,
+        virtual=lora,
     )

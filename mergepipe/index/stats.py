@@ -211,11 +211,11 @@ def _expert_stats(
             )
     hashes = [block_hash(chunk[a:b]) for a, b in ranges]
     sizes = [b - a for a, b in ranges]
-    if model.lora:  # a changed weight's block costs its factor rows (storage.adapters)
+    if model.virtual:  # a made tensor's block costs what it is made from (storage.virtual)
         for i, name in enumerate(blocks.names):
-            recipe = model.lora.get(model.tensors[name].file)
+            recipe = model.virtual.get(model.tensors[name].file)
             if recipe is not None:
-                sizes[i] = recipe.factor_bytes(*blocks.rows[i])
+                sizes[i] = recipe.cost(*blocks.rows[i])
     return sizes, sq, mx, nnz, hashes
 
 

@@ -7,43 +7,19 @@ forced elsewhere takes its own row; every other model takes the token's default 
 the row of the one model that has it, else the base's, else the average of the models that have
 it, else a `tokens:` entry's source (a model's row for the token, or for another token or id, or
 zero). Rows past the vocabulary, up to a multiple of `pad_to_multiple_of`, are each model's mean
-row. Not wired into merges yet: this module is the part that decides; planning and reading on
-the output's rows come next.
+row. index/family makes each model's vocabulary-indexed tensors on the output's rows from this
+(storage.vocab_rows reads them).
 """
 
 from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+from mergepipe.config.vocabulary import BASE, UNION, TokenSource, VocabularySpec
 from mergepipe.errors import BadInput
-
-UNION, BASE = "union", "base"
-
-
-@dataclass(frozen=True)
-class TokenSource:
-    """A `tokens:` entry: where the token's default row comes from, and whether every model
-    takes it (force) rather than its own. kind: `model` (the model's row for this token),
-    `model_token` (the model's row for `token` or `token_id`), `zero`, or None (the rule's)."""
-
-    kind: str | None = None
-    model: str | None = None
-    token: str | None = None
-    token_id: int | None = None
-    force: bool = False
-
-
-@dataclass(frozen=True)
-class VocabularySpec:
-    """What a config says of the output's vocabulary: its source (`union`, `base`, or a model's
-    location), the `tokens:` entries in order, and the padding multiple."""
-
-    source: str
-    tokens: dict[str, TokenSource] = field(default_factory=dict)
-    pad_to_multiple_of: int | None = None
 
 
 @dataclass(frozen=True)
@@ -122,14 +98,17 @@ def stripped(tokenizer, vocab_size: int | None, where: str):
 
 def union(base, tokenizers: list[tuple[Any, int | None]]):
     """mergekit's union: the base's tokenizer, reloaded, with every model's tokens it lacks
-    added in order (plain tokens, then added tokens with their first settings)."""
+    added in order (plain tokens, then added tokens with their first settings). Unlike
+    mergekit, each model's plain tokens are taken in id order, so that the ids are the same in
+    every run (mergekit takes them in the order of a hash map, another in each process)."""
     out_vocab: dict[str, int] = {}
     added: dict[str, Any] = {}
     for tokenizer, vocab_size in tokenizers:
         vocab_size = vocab_size or tokenizer.vocab_size
         decoder = tokenizer.added_tokens_decoder
         added_contents = {info.content for info in decoder.values()}
-        for token, i in tokenizer.get_vocab().items():
+        # in id order: get_vocab's order is a hash map's, another in each process
+        for token, i in sorted(tokenizer.get_vocab().items(), key=lambda item: item[1]):
             if i < vocab_size and token not in added_contents and token not in out_vocab:
                 out_vocab[token] = len(out_vocab)
         for i, info in decoder.items():
@@ -147,20 +126,14 @@ def union(base, tokenizers: list[tuple[Any, int | None]]):
     return out
 
 
-def build_vocabulary(
-    spec: VocabularySpec,
-    names: list[str],
-    base: int,
-    tokenizers: list[Any],
-    vocab_sizes: list[int | None],
-    rows: list[int],
-) -> tuple[Any, Vocabulary]:
-    """The output tokenizer and the Vocabulary of a merge whose models (`names`, in config
-    order, the base at `base`) have these tokenizers (None: none could be loaded, taken as the
-    base's, as mergekit does), config vocab sizes and embedding rows. A source or a `tokens:`
-    entry that names no model of the merge, or that mergekit could not follow, is bad input
-    naming it. Unlike mergekit, whose model order comes from a set (so a union of two models'
-    new tokens numbers them differently from run to run), the order is the config's: base first."""
+def build_tokenizer(
+    spec: VocabularySpec, names: list[str], base: int, tokenizers: list[Any], vocab_sizes: list[int | None]
+) -> tuple[Any, list[Any]]:
+    """The output tokenizer of a merge whose models (`names`, in config order, the base at
+    `base`) have these tokenizers (None: none could be loaded, taken as the base's, as mergekit
+    does) and config vocab sizes; and each model's tokenizer as the rows are mapped with it.
+    Unlike mergekit, whose model order comes from a set (so a union of two models' new tokens
+    numbers them differently from run to run), the order is the config's: base first."""
     source_raw = tokenizers[names.index(spec.source)] if spec.source in names else None
     if spec.source not in (UNION, BASE) and source_raw is None:
         raise BadInput(f"tokenizer source {spec.source!r} is not among the merge's models (or has no tokenizer)")
@@ -178,6 +151,21 @@ def build_vocabulary(
         if token not in have:
             out.add_tokens(token)
             have.add(token)
+    return out, own
+
+
+def build_vocabulary(
+    spec: VocabularySpec,
+    names: list[str],
+    base: int,
+    tokenizers: list[Any],
+    vocab_sizes: list[int | None],
+    rows: list[int],
+) -> tuple[Any, Vocabulary]:
+    """The output tokenizer (build_tokenizer) and the Vocabulary of a merge whose models have
+    these tokenizers, config vocab sizes and embedding rows. A source or a `tokens:` entry that
+    names no model of the merge, or that mergekit could not follow, is bad input naming it."""
+    out, own = build_tokenizer(spec, names, base, tokenizers, vocab_sizes)
     vocab = out.get_vocab()
     by_id = sorted(vocab, key=vocab.get)
     n = size = len(by_id)
@@ -226,6 +214,41 @@ def _entry_default(entry: TokenSource, token: str, names, own, table, i: int) ->
         if row is None:
             raise BadInput(f"tokenizer.tokens.{token}: {entry.model} has no token {entry.token!r}")
     return Default("model", m, row)
+
+
+def is_identity(vocabulary: Vocabulary, rows: list[int]) -> bool:
+    """Whether every model's rows are its own as they are (nothing to map)."""
+    n = len(vocabulary.tokens)
+    return (
+        vocabulary.size == n
+        and not vocabulary.forced
+        and all(r == n and own == tuple(range(n)) for r, own in zip(rows, vocabulary.rows))
+    )
+
+
+def row_sources(vocabulary: Vocabulary, m: int) -> tuple[list[tuple[int, int, int, int]], list]:
+    """Where model m's rows on the output come from, as permuted() takes them: runs copied,
+    (output row, model, source row, rows), and averages, (output row, ((model, row), ...))."""
+    copies: list[list[int]] = []
+    averages = []
+    for i in range(len(vocabulary.tokens)):
+        own = vocabulary.rows[m][i]
+        if own >= 0 and i not in vocabulary.forced:
+            source = (m, own)
+        else:
+            d = vocabulary.defaults.get(i)
+            if d is None or d.kind == "zero":
+                continue
+            if d.kind == "average":
+                averages.append((i, tuple((k, vocabulary.rows[k][i]) for k in d.models)))
+                continue
+            source = (d.model, d.row)
+        last = copies[-1] if copies else None
+        if last and last[0] + last[3] == i and last[1] == source[0] and last[2] + last[3] == source[1]:
+            last[3] += 1
+        else:
+            copies.append([i, source[0], source[1], 1])
+    return [tuple(c) for c in copies], averages
 
 
 def permuted(vocabulary: Vocabulary, tensors: list, m: int):

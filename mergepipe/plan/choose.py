@@ -17,6 +17,7 @@ from mergepipe.plan.params import resolve_tensor_params
 from mergepipe.plan.record import (
     ACCESS_SCHEMA,
     Plan,
+    all_rows,
     build_plan,
     error_bound,
     full_expert_bytes,
@@ -94,9 +95,10 @@ def choose_plan(
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
     n = _rank_candidates(con, spec, family, op, table, per_set)
-    # LoRA views read a factor of each changed weight whole, besides the pairs' factor rows:
-    # the budget keeps room for all of them before it is spent on pairs.
-    reserve = sum(whole_factor_bytes(e, e.tensors) for e in family.experts if e.lora)
+    # Views read some bytes once per tensor besides the pairs' (a LoRA factor whole, the rows
+    # a padded vocabulary's mean row is made from): the budget keeps room for all of them
+    # before it is spent on pairs.
+    reserve = sum(whole_factor_bytes(e, all_rows(e)) for e in family.experts if e.virtual)
     if spec.max_error is not None:
         budget_bytes = planner.select_within_error(con, spec.max_error, n)
     else:
@@ -172,8 +174,8 @@ def reads_every_block(spec: MergeSpec, family: Family) -> bool:
     full = full_expert_bytes(family)
     if spec.max_error is not None or spec.io_budget.resolve(full) < full:
         return False
-    if family.base.lora or any(e.lora for e in family.experts):
-        return False  # a LoRA view is indexed first: its blocks cost factor rows, not stored bytes
+    if family.base.virtual or any(e.virtual for e in family.experts):
+        return False  # indexed first: a made tensor's blocks cost what they are made from
     op = get_operator(spec.merge_method)
     if not op.zero_coefficient_unused:
         return True

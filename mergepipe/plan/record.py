@@ -21,7 +21,7 @@ from mergepipe.config.spec import MergeSpec, expert_label
 from mergepipe.index.family import Family, model_fingerprint
 from mergepipe.operators import ParamTable, get_operator
 from mergepipe.plan.params import resolve_tensor_params
-from mergepipe.storage.adapters import LoraTensor, register
+from mergepipe.storage import virtual
 from mergepipe.storage.canonical import digest_of, round_sig
 from mergepipe.storage.model_files import Layout, ModelFiles
 from mergepipe.storage.safetensors_format import TensorPlace, make_place, tensor_nbytes
@@ -76,13 +76,13 @@ class InputModel:
     files: dict[str, dict]  # shard -> its fingerprint
     layout: Layout  # shared by reference with every input of the same layout
     sidecars: list[str] = field(default_factory=list)
-    # A LoRA view's changed weights: file name -> recipe (storage.adapters.LoraTensor, as JSON),
+    # A view's made tensors: file name -> recipe (storage.virtual, as JSON),
     # registered wherever the plan is loaded, so that any worker reads them
-    lora: dict[str, dict] = field(default_factory=dict)
+    virtual: dict[str, dict] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for recipe in self.lora.values():
-            register(LoraTensor.from_json(recipe))
+        for recipe in self.virtual.values():
+            virtual.register(virtual.from_json(recipe))
 
     @property
     def tensors(self) -> dict[str, TensorPlace]:
@@ -93,8 +93,8 @@ class InputModel:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "layout"}
         data["files"] = {s: dict(fp) for s, fp in self.files.items()}
         data["sidecars"] = list(self.sidecars)
-        if not self.lora:
-            del data["lora"]
+        if not self.virtual:
+            del data["virtual"]
         if same_as is not None:
             data["tensors_as"] = same_as
         else:  # the end is the start and the dtype's bytes of the shape, so not recorded
@@ -128,7 +128,7 @@ def describe_inputs(family: Family, content: dict[str, str]) -> list[InputModel]
                 files={s: f.as_json() for s, f in sorted(model.fingerprints.items())},
                 layout=model.layout,
                 sidecars=list(model.sidecars),
-                lora={name: recipe.as_json() for name, recipe in model.lora.items()},
+                virtual={name: recipe.as_json() for name, recipe in model.virtual.items()},
             )
         )
     return out
@@ -220,24 +220,24 @@ def plan_digest_of(spec_content: dict, inputs: list[InputModel], block_size: int
 
 def full_expert_bytes(family: Family) -> int:
     """What reading every expert whole takes: each one's tensors, where a LoRA view's changed
-    weights take their factors and its tensors that are the base's own (the same bytes of the
-    same file) take nothing."""
+    weights take their factors, a vocabulary view's tensors the rows they are made from, and its
+    tensors that are the base's own (the same bytes of the same file) take nothing."""
     total = 0
     for e in family.experts:
         places = e.tensors.values()
         total += sum(map(itemgetter(4), places)) - sum(map(itemgetter(3), places))
-        if e.lora:
-            total += lora_full_bytes(family.base, e)
+        if e.virtual:
+            total += virtual_full_bytes(family.base, e)
     return total
 
 
-def lora_full_bytes(base: ModelFiles, view: ModelFiles) -> int:
-    """The correction to a LoRA view's stored bytes that full_expert_bytes makes (negative)."""
+def virtual_full_bytes(base: ModelFiles, view: ModelFiles) -> int:
+    """The correction to a view's stored bytes that full_expert_bytes makes."""
     change = 0
     for name, t in view.tensors.items():
-        recipe = view.lora.get(t.file)
+        recipe = view.virtual.get(t.file)
         if recipe is not None:
-            change += recipe.factor_bytes(0, t.shape[0] if t.shape else 1) + recipe.whole.nbytes - t.nbytes
+            change += recipe.cost(0, t.shape[0] if t.shape else 1) + recipe.whole_bytes - t.nbytes
         else:
             b = base.tensors[name]
             if view.path(t.file) == base.path(b.file) and t.start == b.start:
@@ -245,18 +245,34 @@ def lora_full_bytes(base: ModelFiles, view: ModelFiles) -> int:
     return change
 
 
-def whole_factor_bytes(view: ModelFiles, tensors) -> int:
-    """The factors a LoRA view reads whole for these tensors (each once)."""
-    return sum(view.lora[view.tensors[n].file].whole.nbytes for n in set(tensors) if view.tensors[n].file in view.lora)
+def whole_factor_bytes(view: ModelFiles, rows: dict[str, list[tuple[int, int]]]) -> int:
+    """What a view reads once for these planned row ranges of its tensors, each tensor once:
+    a LoRA view's factor read whole, a vocabulary view's rows its padding's mean is made from."""
+    total = 0
+    for name, ranges in rows.items():
+        recipe = view.virtual.get(view.tensors[name].file)
+        if recipe is not None:
+            total += recipe.whole_cost(ranges)
+    return total
+
+
+def all_rows(view: ModelFiles) -> dict[str, list[tuple[int, int]]]:
+    """Every row of each of the view's tensors."""
+    return {n: [(0, t.shape[0] if t.shape else 1)] for n, t in view.tensors.items()}
 
 
 def whole_factors_read(family: Family, access: pa.Table) -> list[int]:
-    """Per expert, the factors an access set reads whole: a LoRA view's, once for each changed
-    weight it reads any block of (its pairs' bytes count only the factor rows)."""
-    return [
-        whole_factor_bytes(e, access.filter(pc.equal(access["expert"], k))["tensor"].to_pylist()) if e.lora else 0
-        for k, e in enumerate(family.experts)
-    ]
+    """Per expert, what an access set reads once per tensor besides its pairs' bytes
+    (whole_factor_bytes)."""
+    out = []
+    for k, e in enumerate(family.experts):
+        rows: dict[str, list[tuple[int, int]]] = {}
+        if e.virtual:
+            mine = access.filter(pc.equal(access["expert"], k))
+            for t, r0, r1 in zip(*(mine[c].to_pylist() for c in ("tensor", "row_start", "row_end"))):
+                rows.setdefault(t, []).append((r0, r1))
+        out.append(whole_factor_bytes(e, rows))
+    return out
 
 
 def build_plan(

@@ -51,6 +51,8 @@ def model_card(plan: Plan) -> bytes:
         lines.append(f"- {i.role}: {where}")
     # The config as a user would write it: the keys left at their defaults left out.
     given = spec.model_dump(by_alias=True, exclude_defaults=True, exclude={"storage_options"})
+    if (given.get("tokenizer") or {}).get("tokens"):  # kept as pairs (for their order): shown as written
+        given["tokenizer"]["tokens"] = dict(given["tokenizer"]["tokens"])
     config = yaml.safe_dump(given, sort_keys=False).rstrip()
     lines += ["", "## Configuration", "", "```yaml", config, "```", ""]
     share = 100 * plan.expert_bytes_planned / plan.full_expert_bytes if plan.full_expert_bytes else 100.0

@@ -18,6 +18,7 @@ from mergepipe.index.blocks import layer_count
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
 from mergepipe.publish.card import CARD_FILE, model_card
+from mergepipe.publish.tokenizer import TOKENIZER_SIDECARS, vocabulary_rows, with_vocab_size, write_tokenizer
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join, normalize, split
@@ -37,15 +38,20 @@ def index_json(layout: OutputLayout) -> bytes:
 def versions() -> dict:
     """What produced the output (outside the digest). Read from the installed distributions, so
     publishing imports no orchestration code."""
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return {
+    found = {
         "mergepipe": __version__,
         "python": platform.python_version(),
         "torch": version("torch"),
         "duckdb": version("duckdb"),
         "prefect": version("prefect"),
     }
+    try:  # what saves a built tokenizer (an extra)
+        found["transformers"] = version("transformers")
+    except PackageNotFoundError:
+        pass
+    return found
 
 
 CONFIG_FILE = "config.json"
@@ -68,22 +74,30 @@ def with_layer_count(config: bytes, n_layers: int) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode()
 
 
-def write_output_files(
-    plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger
-) -> tuple[dict, dict | None]:
-    """Index, sidecars, access set and model card into staging; then hash everything. Returns
-    the manifest's `output` section, and the card's entry (None without one: the config's
-    `write_model_card: false`), which the manifest keeps in `run`: the card names where the
-    inputs were read, and the digest does not depend on that."""
+def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledger: ByteLedger) -> tuple[dict, dict]:
+    """Index, sidecars, access set, model card and a built tokenizer into staging; then hash
+    everything. Returns the manifest's `output` section, and what the manifest keeps in `run`,
+    outside the digest: the card's entry (None without one: the config's `write_model_card:
+    false`), as the card names where the inputs were read, and a built tokenizer's files
+    (`tokenizer_files`), as their bytes depend on the transformers version that saved them."""
     staging.put(INDEX_FILE, index_json(layout))
     base = plan.inputs[0]
     n_layers = layer_count(base.tensors)
-    for name in base.sidecars:
-        if name == CONFIG_FILE and plan.spec.get("slices"):
-            staging.put(name, with_layer_count(_read_sidecar(base, name, ledger), n_layers))
+    rows = vocabulary_rows(plan)
+    kept = [n for n in base.sidecars if rows is None or n not in TOKENIZER_SIDECARS]
+    for name in kept:
+        if name == CONFIG_FILE and (plan.spec.get("slices") or rows is not None):
+            config = with_layer_count(_read_sidecar(base, name, ledger), n_layers)
+            staging.put(name, config if rows is None else with_vocab_size(config, rows))
         else:
             staging.copy_in(join(base.root, name), name, ledger)
-    template = _write_chat_template(plan, staging, ledger)
+    outside: dict = {}
+    if rows is None:
+        template = _write_chat_template(plan, staging, ledger)
+    else:
+        chosen, _ = _chat_template(plan, ledger)
+        outside["tokenizer_files"] = write_tokenizer(plan, staging, chosen)
+        template = None
     sink = pa.BufferOutputStream()
     pq.write_table(plan.access, sink)
     staging.put(ACCESS_FILE, sink.getvalue().to_pybytes())
@@ -94,7 +108,7 @@ def write_output_files(
             raise DeterminedError(f"{staging.location}: staged {shard.name} has {size} bytes, the layout {shard.size}")
         shards.append({"file": shard.name, "size": size, "sha256": digest})
     files = []
-    for name in [INDEX_FILE, *base.sidecars, *([template] if template and template not in base.sidecars else [])]:
+    for name in [INDEX_FILE, *kept, *([template] if template and template not in kept else [])]:
         digest, size = staging.sha256(name)
         files.append({"file": name, "size": size, "sha256": digest})
     card = None
@@ -102,7 +116,7 @@ def write_output_files(
         staging.put(CARD_FILE, model_card(plan))
         digest, size = staging.sha256(CARD_FILE)
         card = {"file": CARD_FILE, "size": size, "sha256": digest}
-    return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}, card
+    return {"shards": shards, "files": files, "access_set_file": ACCESS_FILE}, {"model_card": card, **outside}
 
 
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -132,9 +146,21 @@ def _write_chat_template(plan: Plan, staging: Staging, ledger: ByteLedger) -> st
     a tokenizer's template and looks for it first; the base's tokenizer_config.json loses its
     own `chat_template` entry, as a tokenizer re-saved with the new template has none. Returns
     the file's name, or None where nothing is set (no chat_template; `auto` and no input has one)."""
+    template, config = _chat_template(plan, ledger)
+    if template is None:
+        return None
+    staging.put(CHAT_TEMPLATE_FILE, template.encode())
+    if config is not None and "chat_template" in config:
+        del config["chat_template"]
+        staging.put(TOKENIZER_CONFIG, (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode())
+    return CHAT_TEMPLATE_FILE
+
+
+def _chat_template(plan: Plan, ledger: ByteLedger) -> tuple[str | None, dict | None]:
+    """The chat template the config chooses (None: none), and the base's tokenizer_config.json."""
     value = plan.spec.get("chat_template")
     if not value:
-        return None
+        return None, None
     base = plan.inputs[0]
     configs = {base.uri: _json_object(_read_sidecar(base, TOKENIZER_CONFIG, ledger), join(base.root, TOKENIZER_CONFIG))}
     found = []
@@ -145,15 +171,7 @@ def _write_chat_template(plan: Plan, staging: Staging, ledger: ByteLedger) -> st
                 configs[inp.uri] = _json_object(_read_sidecar(inp, TOKENIZER_CONFIG, ledger), where)
             jinja = _read_sidecar(inp, CHAT_TEMPLATE_FILE, ledger)
             found.append(template_of(configs[inp.uri], None if jinja is None else jinja.decode()))
-    template = chosen_template(value, found)
-    if template is None:
-        return None
-    staging.put(CHAT_TEMPLATE_FILE, template.encode())
-    config = configs[base.uri]
-    if config is not None and "chat_template" in config:
-        del config["chat_template"]
-        staging.put(TOKENIZER_CONFIG, (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode())
-    return CHAT_TEMPLATE_FILE
+    return chosen_template(value, found), configs[base.uri]
 
 
 def build_manifest(plan: Plan, output: dict, run: dict) -> dict:
@@ -235,7 +253,8 @@ def verify_output(out: str | Path) -> Verification:
     result = Verification(str(out), manifest["digest"])
     output = manifest["content"]["output"]
     card = manifest["run"].get("model_card")
-    for entry in output["shards"] + output["files"] + ([card] if card else []):
+    tokenizer = manifest["run"].get("tokenizer_files") or []
+    for entry in output["shards"] + output["files"] + ([card] if card else []) + tokenizer:
         path = join(folder, entry["file"])
         found = sha256_uri(path)
         if found is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 from dataclasses import asdict, dataclass
 
 from mergepipe import torch
@@ -19,9 +18,9 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # What PEFT puts before a module's name in the keys it saves (PeftModel, then its LoraModel).
 KEY_PREFIX = "base_model.model."
-# The file a changed weight lies in, in a view: never opened, read through a LoraTensor's recipe
-# (storage.reader reads its factor rows and its model's rows, and computes the rest).
-VIRTUAL = "lora:"
+# The file a changed weight lies in, in a view (storage.virtual): never opened, read through its
+# recipe (storage.reader reads its factor rows and its model's rows, and computes the rest).
+PREFIX = "lora:"
 # Keys a LoRA adapter holds per module: PEFT's Linear (lora_A.weight, lora_B.weight) and
 # Embedding (lora_embedding_A, lora_embedding_B) layers.
 _FACTOR = re.compile(r"^(?P<module>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
@@ -73,16 +72,25 @@ class LoraTensor:
             (self.a.start + (j * width + r0) * size, self.a.start + (j * width + r1) * size) for j in range(self.rank)
         ]
 
-    def factor_bytes(self, r0: int, r1: int) -> int:
+    def cost(self, r0: int, r1: int) -> int:
         """What reading rows [r0, r1) costs besides the whole factor (the plan's pair bytes)."""
         return sum(e - s for s, e in self.factor_ranges(r0, r1))
 
+    @property
+    def whole_bytes(self) -> int:
+        return self.whole.nbytes
+
+    def whole_cost(self, rows: list[tuple[int, int]]) -> int:
+        """What reading these row ranges reads once besides their cost(): the factor every
+        row needs."""
+        return self.whole.nbytes if rows else 0
+
     def as_json(self) -> dict:
-        return asdict(self)
+        return {"kind": "lora", **asdict(self)}
 
     @classmethod
     def from_json(cls, data: dict) -> "LoraTensor":
-        data = dict(data)
+        data = {k: v for k, v in data.items() if k != "kind"}
         for key in ("place", "a", "b"):
             f, d, s, a, e = data[key]
             data[key] = TensorPlace(f, d, tuple(s), a, e)
@@ -91,31 +99,7 @@ class LoraTensor:
     @property
     def name(self) -> str:
         """Its file name in a view: the same recipe, the same name, in any process."""
-        return f"{VIRTUAL}{digest_of(self.as_json())[:24]}"
-
-
-def is_virtual(file: str) -> bool:
-    return file.startswith(VIRTUAL)
-
-
-_recipes: dict[str, LoraTensor] = {}
-_lock = threading.Lock()
-
-
-def register(recipe: LoraTensor) -> str:
-    """Make the recipe readable by its name in this process; returns the name."""
-    name = recipe.name
-    with _lock:
-        _recipes.setdefault(name, recipe)
-    return name
-
-
-def recipe(file: str) -> LoraTensor:
-    with _lock:
-        found = _recipes.get(file)
-    if found is None:
-        raise KeyError(f"{file}: no LoRA recipe of that name in this process")
-    return found
+        return f"{PREFIX}{digest_of(self.as_json())[:24]}"
 
 
 def changed_rows(t: LoraTensor, home_rows: memoryview, factor: list[memoryview], whole: torch.Tensor, r0: int, r1: int):

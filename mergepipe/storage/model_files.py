@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from mergepipe.errors import BadInput
 from mergepipe.storage import remote
-from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor
+from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.hub import is_hub
 from mergepipe.storage.location import ContextPool, is_remote, join, normalize, split
@@ -68,8 +69,8 @@ class ModelFiles:
     fingerprints: dict[str, FileFingerprint] = field(default_factory=dict)
     layout: Layout = field(default_factory=lambda: Layout({}))
     header_bytes: dict[str, bytes] = field(default_factory=dict)
-    # A LoRA view's changed weights: each one's file name (storage.adapters.VIRTUAL) -> its recipe
-    lora: dict[str, LoraTensor] = field(default_factory=dict)
+    # A view's tensors that no file holds as they are (storage.virtual): file name -> recipe
+    virtual: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tensors(self) -> dict[str, TensorPlace]:
@@ -219,3 +220,31 @@ def _layout(model: ModelFiles, key: tuple[tuple[str, int, bytes], ...]) -> Layou
             raise BadInput(f"{model.uri}: tensor {name!r} appears in both {tensors[name].file} and {shard}")
         tensors.update(places)
     return Layout.of(tensors)
+
+
+# The files a model's tokenizer is loaded from (transformers reads config.json to choose a
+# tokenizer class where tokenizer_config.json names none).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "config.json",
+)
+
+
+def copy_sidecars(model: ModelFiles, names: tuple[str, ...], folder: str) -> list[str]:
+    """Those of `names` that the model has, copied from wherever it lies into a local folder."""
+    os.makedirs(folder, exist_ok=True)
+    copied = []
+    for name in names:
+        if name in model.sidecars:
+            with open(os.path.join(folder, name), "wb") as f:
+                f.write(read_small_file(model.path(name)))
+            copied.append(name)
+    return copied

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from mergepipe import torch
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.storage import adapters, cache, remote
+from mergepipe.storage import adapters, cache, remote, virtual
 from mergepipe.storage.adapters import ADAPTER_WEIGHTS
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.ledger import ByteLedger
@@ -181,18 +181,22 @@ class RangeReader:
         self, requests: list[ReadRequest], read_with: Iterable[tuple[ReadRequest, list[Buffer]]] = ()
     ) -> list[list[Buffer]]:
         """Every request's ranges; remote ones are fetched together, concurrently, or taken from
-        what read_ahead fetched; those of LoRA-changed weights made from what they need, their
-        model's rows taken from the batch's own ranges or from `read_with` (requests read
-        before, with their buffers, still held by the caller) where those hold them."""
-        if any(adapters.is_virtual(req.file) for req in requests):
-            virtual = [k for k, req in enumerate(requests) if adapters.is_virtual(req.file)]
-            real = [k for k in range(len(requests)) if k not in virtual]
+        what read_ahead fetched; those of made tensors (storage.virtual) made from what they
+        need, a LoRA-changed weight's model rows taken from the batch's own ranges or from
+        `read_with` (requests read before, with their buffers, still held by the caller) where
+        those hold them."""
+        if any(virtual.is_virtual(req.file) for req in requests):
+            made = [k for k, req in enumerate(requests) if virtual.is_virtual(req.file)]
+            real = [k for k in range(len(requests)) if k not in made]
             got = dict(zip(real, self.read_batch([requests[k] for k in real])))
             # The batch's own ranges (the base's, read with its experts') serve the model rows
             # a change is added to, where they hold them.
             pairs = [(requests[k], got[k]) for k in real] + list(read_with)
             held = [(req.path, s, e, b) for req, bufs in pairs for (s, e), b in zip(req.ranges, bufs)]
-            got.update(zip(virtual, self._read_changed([requests[k] for k in virtual], held)))
+            lora = [k for k in made if isinstance(virtual.recipe(requests[k].file), adapters.LoraTensor)]
+            got.update(zip(lora, self._read_changed([requests[k] for k in lora], held)))
+            vocab = [k for k in made if k not in lora]
+            got.update(zip(vocab, self._read_vocab_rows([requests[k] for k in vocab])))
             return [got[k] for k in range(len(requests))]
         ahead: dict[int, tuple[Future, int, ReadRequest]] = {}
         with self._lock:
@@ -250,7 +254,7 @@ class RangeReader:
         parts: list[ReadRequest] = []
         wanted = []
         for req in requests:
-            t = adapters.recipe(req.file)
+            t = virtual.recipe(req.file)
             size = t.row_bytes
             whole = self._whole_factor(t, req.role, req.model)
             for s, e in req.ranges:
@@ -283,6 +287,55 @@ class RangeReader:
                 out[k].append(bytearray(encode(rows)[s - offset : e - offset]))
         return out
 
+    def _read_vocab_rows(self, requests: list[ReadRequest]) -> list[list[Buffer]]:
+        """The ranges of vocabulary-indexed tensors on the output's rows (storage.vocab_rows):
+        for each range, the source rows of the output rows it covers, read (in the request's
+        role) and made into those rows, and the range cut from them."""
+        parts: list[ReadRequest] = []
+        wanted = []
+        for req in requests:
+            t = virtual.recipe(req.file)
+            for s, e in req.ranges:
+                r0, r1 = s // t.row_bytes, -(-e // t.row_bytes)
+                needs = t.needs(r0, r1)
+                parts.extend(self._source_requests(t, needs, req.role, req.model))
+                mean = self._mean_row(t, req.role, req.model) if r1 > t.n else None
+                wanted.append((t, r0, r1, s, e, len(needs), mean))
+        got = iter(self.read_batch(parts) if parts else ())
+        out: list[list[Buffer]] = [[] for _ in requests]
+        at = 0
+        for k, req in enumerate(requests):
+            for _ in req.ranges:
+                t, r0, r1, s, e, n, mean = wanted[at]
+                at += 1
+                bufs = [next(got)[0] for _ in range(n)]
+                rows = t.rows(r0, r1, bufs, mean)
+                self.release(bufs)
+                offset = r0 * t.row_bytes
+                out[k].append(bytearray(encode(rows)[s - offset : e - offset]))
+        return out
+
+    @staticmethod
+    def _source_requests(t, needs: list[tuple[int, int, int]], role: str, model: str) -> list[ReadRequest]:
+        out = []
+        for m, first, rows in needs:
+            path, place = t.sources[m]
+            out.append(ReadRequest(path, [t.source_range(m, first, rows)], role, model, place.file))
+        return out
+
+    def _mean_row(self, t, role: str, model: str) -> torch.Tensor:
+        """A padded vocabulary's mean row (storage.vocab_rows), made once by this reader for each
+        input reading it from every row below the padding (the plan counts those rows once per
+        tensor and expert, as a LoRA factor read whole) and kept while the reader is open."""
+        key = (model, t.name)
+        with self._factor_lock:
+            got = self._factors.get(key)
+            if got is None:
+                bufs = [b[0] for b in self.read_batch(self._source_requests(t, t.needs(0, t.n), role, model))]
+                got = self._factors[key] = t.mean_row(bufs)
+                self.release(bufs)
+        return got
+
     def _fetch_requests(self, requests: list[ReadRequest]) -> list[list[bytearray]]:
         """The ranges of these remote requests, fetched concurrently (storage.remote.fetch
         serves each host with its own credentials)."""
@@ -300,7 +353,7 @@ class RangeReader:
         with self._lock:
             if not self._open or self._ahead_limit <= 0:
                 return
-            remote_requests = [r for r in requests if is_remote(r.path) and r.size and not adapters.is_virtual(r.file)]
+            remote_requests = [r for r in requests if is_remote(r.path) and r.size and not virtual.is_virtual(r.file)]
             if first:
                 self._ahead_queue.extendleft(reversed(remote_requests))
             else:
@@ -363,7 +416,7 @@ class RangeReader:
         the preads would: nothing beyond the plan. Remote ranges are left to read_batch. Neither
         counted (the preads count) nor required: a failure here only loses the head start."""
         for req in requests:
-            if is_remote(req.path) or adapters.is_virtual(req.file):
+            if is_remote(req.path) or virtual.is_virtual(req.file):
                 continue
             try:
                 fd = self._fd(req.path)

@@ -95,10 +95,11 @@ def merge_layer_group(
 
 
 @declare_task("write-output-files", **STORAGE_RETRIES)
-def finish_output(saved_plan: saved.PlanRef, staging: str) -> tuple[dict, dict | None, list[dict]]:
+def finish_output(saved_plan: saved.PlanRef, staging: str) -> tuple[dict, dict, list[dict]]:
     """Index, sidecars, access set, model card and checksums; first, a check that no input
     changed while its bytes were being read (a merge of two versions of a file is never
-    published). Returns the manifest's output section, the card's entry and the ledger rows."""
+    published). Returns the manifest's output section, its run entries (the card's, a built
+    tokenizer's files) and the ledger rows."""
     plan, layout = saved.load(saved_plan)
     changed = changed_inputs(plan)
     if changed:
@@ -108,8 +109,8 @@ def finish_output(saved_plan: saved.PlanRef, staging: str) -> tuple[dict, dict |
     where = staging_at(staging)
     where.clear_marks()
     ledger = ByteLedger()
-    output, card = write_output_files(plan, layout, where, ledger)
-    return output, card, ledger.rows()
+    output, outside = write_output_files(plan, layout, where, ledger)
+    return output, outside, ledger.rows()
 
 
 @declare_task("publish-output", **STORAGE_RETRIES)

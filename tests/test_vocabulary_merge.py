@@ -1,0 +1,153 @@
+"""Merges whose models' vocabularies differ (issue 48): the output's tokenizer and every model's
+embedding and head on its rows, against mergekit-yaml 0.1.5 (scripts/mergekit_vocab_e2e.py
+wrote the fixtures), and the usual promises under a budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from mergepipe.errors import BadInput
+from mergepipe.publish.manifest import verify_output
+from mergepipe.storage.model_files import MANIFEST_FILE
+
+from .helpers import frobenius_diff
+from .reference import load_model
+
+pytest.importorskip("transformers")
+
+E2E = Path(__file__).parent / "data" / "vocab_e2e"
+CASES = json.loads((E2E / "cases.json").read_text())["cases"]
+VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def meaning(folder: Path) -> dict:
+    """A saved tokenizer as the issue compares it: vocabulary by id, added tokens with their
+    flags, special tokens, chat template, and config.json's vocab_size."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    vocab = tok.get_vocab()
+    added = {
+        str(i): {k: getattr(t, k) for k in ("content", "special", "single_word", "lstrip", "rstrip", "normalized")}
+        for i, t in sorted(tok.added_tokens_decoder.items())
+    }
+    return {
+        "tokens": sorted(vocab, key=vocab.get),
+        "added": added,
+        "special": sorted(tok.all_special_tokens),
+        "chat_template": tok.chat_template,
+        "vocab_size": json.loads((folder / "config.json").read_text())["vocab_size"],
+    }
+
+
+def _config(case: str, path: Path, **extra) -> Path:
+    """A fixture config with its models' locations made absolute."""
+    doc = yaml.safe_load((E2E / f"{case}.yml").read_text())
+    at = lambda m: str(E2E / m)  # noqa: E731
+    if "base_model" in doc:
+        doc["base_model"] = at(doc["base_model"])
+    for m in doc["models"]:
+        m["model"] = at(m["model"])
+    if "tokenizer_source" in doc and doc["tokenizer_source"] not in ("union", "base"):
+        doc["tokenizer_source"] = at(doc["tokenizer_source"])
+    for entry in (doc.get("tokenizer") or {}).get("tokens", {}).values():
+        source = entry.get("source")
+        if isinstance(source, str):
+            entry["source"] = at(source)
+        elif isinstance(source, dict) and "model" in source:
+            source["model"] = at(source["model"])
+    path.write_text(yaml.safe_dump({**doc, **extra}, sort_keys=False))
+    return path
+
+
+def assert_as_mergekit(case: str, out: Path) -> None:
+    """Tensors equal mergekit's, row by row on the same tokens (mergekit numbers a union's new
+    tokens in a hash map's order, another in each process); padding rows (each model's mean
+    row) to a few fp32 ulps, as mergekit's torch.mean sums in another order; the tokenizer
+    equal in meaning."""
+    want = CASES[case]
+    mine = meaning(out)
+    assert sorted(mine["tokens"]) == sorted(want["tokens"])
+    if case not in ("union", "tokens"):  # the ids of a union's added tokens are mergekit's chance
+        assert mine["tokens"] == want["tokens"]
+    by_content = lambda added: {v["content"]: v for v in added.values()}  # noqa: E731
+    assert by_content(mine["added"]) == by_content(want["added"])
+    for key in ("special", "chat_template", "vocab_size"):
+        assert mine[key] == want[key], key
+    got, theirs = load_model(out), load_file(E2E / "expected" / f"{case}.safetensors")
+    assert sorted(got) == sorted(theirs)
+    n = len(want["tokens"])
+    at = {t: i for i, t in enumerate(mine["tokens"])}
+    order = torch.tensor([at[t] for t in want["tokens"]])
+    for name, expected in theirs.items():
+        assert got[name].dtype == expected.dtype and got[name].shape == expected.shape, name
+        if name in VOCAB_TENSORS:
+            assert torch.equal(got[name][order], expected[:n]), name
+            assert torch.allclose(got[name][n:], expected[n:], rtol=1e-6, atol=1e-8), name
+        else:
+            assert torch.equal(got[name], expected), name
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["union", pytest.param("tokens")]
+    + [pytest.param(c, marks=pytest.mark.slow) for c in ("base_source", "model_source", "padded_union")],
+)
+def test_vocabularies_as_mergekit_merges_them(case, tmp_path, session_catalog):
+    from mergepipe.flows.merge import merge
+
+    out = tmp_path / "out"
+    merge(config=str(_config(case, tmp_path / "c.yml")), out=str(out), catalog=session_catalog)
+    assert_as_mergekit(case, out)
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    names = {e["file"] for e in manifest["run"]["tokenizer_files"]}
+    assert "tokenizer.json" in names and not names & {e["file"] for e in manifest["content"]["output"]["files"]}
+    assert manifest["run"]["versions"]["transformers"]
+    assert verify_output(out).ok
+    (out / "tokenizer.json").write_text((out / "tokenizer.json").read_text().replace('"<unk>"', '"<unK>"', 1))
+    assert not verify_output(out).ok
+
+
+def test_union_under_a_budget(tmp_path, session_catalog):
+    """At 25% and at 100% of the experts' bytes on the output's rows: bytes read = plan, the
+    bound holds, and a replay gives the digest."""
+    from mergepipe.flows.merge import merge
+    from mergepipe.flows.replay import replay
+
+    cfg = _config("tokens", tmp_path / "c.yml", block_size="256B")
+    full = merge(config=str(cfg), out=str(tmp_path / "full"), catalog=session_catalog)
+    assert full["expert_bytes_read"] == full["expert_bytes_planned"] <= full["budget_bytes"]
+    assert_as_mergekit("tokens", tmp_path / "full")
+    part = merge(config=str(cfg), out=str(tmp_path / "part"), budget="25%", catalog=session_catalog)
+    assert part["expert_bytes_read"] == part["expert_bytes_planned"] <= part["budget_bytes"]
+    assert part["bound_guaranteed"]
+    err = frobenius_diff(load_model(tmp_path / "part"), load_model(tmp_path / "full"))
+    assert 0 < err <= part["error_bound"] * (1 + 1e-5) + 1e-6
+    again = replay(
+        manifest=str(tmp_path / "part" / MANIFEST_FILE), out=str(tmp_path / "again"), catalog=session_catalog
+    )
+    assert again["digest"] == part["digest"]
+    assert meaning(tmp_path / "again") == meaning(tmp_path / "part")
+
+
+def test_a_model_without_vocab_size_is_named(tmp_path, session_catalog):
+    """Which tensors are indexed by token is told from config.json's vocab_size."""
+    import shutil
+
+    from mergepipe.flows.merge import merge
+
+    other = tmp_path / "other"
+    shutil.copytree(E2E / "other", other)
+    config = json.loads((other / "config.json").read_text())
+    del config["vocab_size"]
+    (other / "config.json").write_text(json.dumps(config))
+    cfg = _config("union", tmp_path / "c.yml")
+    cfg.write_text(cfg.read_text().replace(str(E2E / "other"), str(other)))
+    with pytest.raises(BadInput, match=f"{other}: its config.json states no vocab_size"):
+        merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
