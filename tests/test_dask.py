@@ -61,3 +61,16 @@ def test_dask_workers_read_lora_experts_from_the_plan_alone(bf16_family, tmp_pat
     dask = merge(config=str(cfg), out=str(tmp_path / "dask"), catalog=session_catalog, runner="dask")
     assert dask["digest"] == threads["digest"]
     assert dask["expert_bytes_read"] == threads["expert_bytes_read"] == dask["expert_bytes_planned"]
+
+
+def test_dask_workers_read_vocabulary_rows_from_the_plan_alone(tmp_path, session_catalog, prefect_flows):
+    """The vocabulary recipes a plan records (rows of several models, the padding's mean) are
+    enough for a worker process to read the output's rows."""
+    pytest.importorskip("transformers")
+    from .test_vocabulary_merge import _config
+
+    cfg = _config("tokens", tmp_path / "c.yml", block_size="256B")
+    threads = merge(config=str(cfg), out=str(tmp_path / "threads"), catalog=session_catalog, budget="60%")
+    dask = merge(config=str(cfg), out=str(tmp_path / "dask"), catalog=session_catalog, budget="60%", runner="dask")
+    assert dask["digest"] == threads["digest"]
+    assert dask["expert_bytes_read"] == threads["expert_bytes_read"] == dask["expert_bytes_planned"]

@@ -654,3 +654,22 @@ def test_a_lora_adapter_on_the_hub_reads_its_factors_from_its_commit(hub, family
     raw = (adapter / "adapter_model.safetensors").read_bytes()
     read = sum(r["bytes"] for r in run["ledger"] if r["role"] == "expert" and r["model"] == "expert-1")
     assert read == len(raw) - 8 - int.from_bytes(raw[:8], "little")
+
+
+def test_vocabularies_from_the_hub_give_the_local_digest(hub, tmp_path):
+    """Models whose vocabularies differ, on the Hub: their tokenizers read from their commits,
+    the local merge's digest and tokenizer."""
+    pytest.importorskip("transformers")
+    from .test_vocabulary_merge import E2E, _config, meaning
+
+    local = _config("tokens", tmp_path / "local.yml")
+    text = local.read_text()
+    for name in ("base", "chat", "other"):
+        hub.publish(f"org/vocab-{name}", E2E / name)
+        text = text.replace(str(E2E / name), f"hf://org/vocab-{name}")
+    remote_cfg = tmp_path / "hub.yml"
+    remote_cfg.write_text(text)
+    want = merge(config=str(local), out=str(tmp_path / "local"), catalog=str(tmp_path / "a.duckdb"))
+    got = merge(config=str(remote_cfg), out=str(tmp_path / "hub"), catalog=str(tmp_path / "b.duckdb"))
+    assert got["digest"] == want["digest"]
+    assert meaning(tmp_path / "hub") == meaning(tmp_path / "local")

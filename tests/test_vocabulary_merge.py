@@ -151,3 +151,15 @@ def test_a_model_without_vocab_size_is_named(tmp_path, session_catalog):
     cfg.write_text(cfg.read_text().replace(str(E2E / "other"), str(other)))
     with pytest.raises(BadInput, match=f"{other}: its config.json states no vocab_size"):
         merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+
+
+def test_a_chat_template_goes_with_a_built_tokenizer(tmp_path, session_catalog):
+    """chat_template with a built vocabulary: saved by transformers with the tokenizer (as
+    mergekit sets it on the tokenizer it saves), which loads with it."""
+    from mergepipe.flows.merge import merge
+
+    template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>{% endfor %}"
+    cfg = _config("union", tmp_path / "c.yml", chat_template=template)
+    merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert meaning(tmp_path / "out")["chat_template"] == template
+    assert verify_output(tmp_path / "out").ok
