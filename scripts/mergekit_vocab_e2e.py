@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate end-to-end mergekit 0.1.5 fixtures for merges whose vocabularies differ.
 
-Writes tests/data/vocab_e2e/: four tiny Llama checkpoints (hidden 16, 2 layers, fp32) whose
+Writes tests/data/vocab_e2e/: five tiny Llama checkpoints (hidden 16, 2 layers, fp32) whose
 tokenizers are real (tokenizers' BPE saved by transformers, as scripts/mergekit_vocab.py makes
 them) and whose embedding and head have their config's vocab_size rows:
 
@@ -9,9 +9,11 @@ them) and whose embedding and head have their config's vocab_size rows:
     chat     base + a delta, and two special tokens (<|im_start|>, <|im_end|>) and an added token
     padded   base + a delta, the base's tokenizer with config vocab_size 48 (rows past it: padding)
     other    base + a delta, other letters first: shared tokens at other ids, some of its own
+    twin     chat's tokenizer, another delta
 
 then one config per case (CONFIGS), run by `mergekit-yaml CONFIG OUT --no-write-model-card`
-(cwd = that folder, the tokenizer written by mergekit), and records in cases.json each case's
+(cwd = that folder, the tokenizer written by mergekit), and a two-stage config (MULTI) run by
+`mergekit-multi`, and records in cases.json each case's
 output: its tensors in expected/<case>.safetensors, and its tokenizer as what it means (the
 vocabulary by id, the added tokens with their flags, the chat template, config.json's
 vocab_size).
@@ -40,16 +42,20 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from mergekit_e2e import MERGEKIT_VERSION, _env, _error_message, llama_config, mergekit_python  # noqa: E402
 
-from mergepipe.devtools.synthetic import write_tokenizer  # noqa: E402
+from mergepipe.devtools.synthetic import tokenizer_meaning, write_tokenizer  # noqa: E402
 
 OUT = ROOT / "tests" / "data" / "vocab_e2e"
 LAYERS = 2
+# chat templates: two models share one, a third has another, the base has none (chat_auto)
+TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+OTHER_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 TOKENIZERS = {
     "base": {},
-    "chat": {"special": ("<|im_start|>", "<|im_end|>"), "added": ("zz",)},
-    "padded": {"vocab_size": 48},
-    "other": {"letters": "qrstabcdefgh"},
+    "chat": {"special": ("<|im_start|>", "<|im_end|>"), "added": ("zz",), "chat_template": TEMPLATE},
+    "padded": {"vocab_size": 48, "chat_template": TEMPLATE},
+    "other": {"letters": "qrstabcdefgh", "chat_template": OTHER_TEMPLATE},
 }
+TOKENIZERS["twin"] = TOKENIZERS["chat"]  # chat's tokenizer, other weights
 
 CONFIGS = {
     "union": """\
@@ -120,6 +126,67 @@ tokenizer:
   pad_to_multiple_of: 64
 dtype: float32
 """,
+    # chat templates: the inputs' most common, with a built tokenizer
+    "chat_auto": """\
+base_model: base
+models:
+  - model: chat
+    parameters: {weight: 0.4}
+  - model: other
+    parameters: {weight: 0.3}
+  - model: padded
+    parameters: {weight: 0.3}
+merge_method: task_arithmetic
+tokenizer_source: union
+chat_template: auto
+dtype: float32
+""",
+    # ... given as is, and by name, on a tokenizer copied (mergekit re-saves it)
+    "chat_jinja": """\
+models:
+  - model: chat
+    parameters: {weight: 0.5}
+  - model: twin
+    parameters: {weight: 0.5}
+merge_method: linear
+chat_template: "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}"
+dtype: float32
+""",
+    "chat_named": """\
+models:
+  - model: chat
+    parameters: {weight: 0.5}
+  - model: twin
+    parameters: {weight: 0.5}
+merge_method: linear
+chat_template: chatml
+dtype: float32
+""",
+}
+
+# mergekit-multi: a first stage unions two vocabularies, the final one merges it with a third
+# model (its output an input, its vocabulary built from the first stage's tokenizer)
+MULTI = {
+    "two_stages": """\
+name: first
+base_model: base
+models:
+  - model: chat
+    parameters: {weight: 0.5}
+merge_method: task_arithmetic
+tokenizer_source: union
+dtype: float32
+---
+base_model: base
+models:
+  - model: first
+    parameters: {weight: 0.6}
+  - model: other
+    parameters: {weight: 0.4}
+merge_method: task_arithmetic
+tokenizer_source: union
+dtype: float32
+""",
 }
 
 
@@ -165,26 +232,6 @@ def build() -> None:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def tokenizer_meaning(folder: Path) -> dict:
-    """What a saved tokenizer means (the comparison the tests make): vocabulary by id, added
-    tokens with their flags, chat template, and config.json's vocab_size."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    vocab = tok.get_vocab()
-    added = {
-        str(i): {k: getattr(t, k) for k in ("content", "special", "single_word", "lstrip", "rstrip", "normalized")}
-        for i, t in sorted(tok.added_tokens_decoder.items())
-    }
-    return {
-        "tokens": sorted(vocab, key=vocab.get),
-        "added": added,
-        "special": sorted(tok.all_special_tokens),
-        "chat_template": tok.chat_template,
-        "vocab_size": json.loads((folder / "config.json").read_text())["vocab_size"],
-    }
-
-
 def main() -> None:
     python = mergekit_python()
     build()
@@ -202,20 +249,25 @@ def main() -> None:
             for f in sorted(out.glob("*.safetensors")):
                 tensors.update(load_file(str(f)))
             save_file(dict(sorted(tensors.items())), str(OUT / "expected" / f"{case}.safetensors"))
-            meaning = subprocess.run(
-                [sys.executable, str(Path(__file__)), "--meaning", str(out)],
-                env=_env(),
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-            records[case] = {"command": f"mergekit-yaml {case}.yml OUT --no-write-model-card", **json.loads(meaning)}
+            records[case] = {"command": f"mergekit-yaml {case}.yml OUT --no-write-model-card", **tokenizer_meaning(out)}
+    for case, text in MULTI.items():
+        (OUT / f"{case}.yml").write_text(text)
+        with tempfile.TemporaryDirectory(prefix="mk-vocab-") as tmp:
+            out = Path(tmp) / "out"
+            argv = [str(python.parent / "mergekit-multi"), f"{case}.yml", "--out-path", str(out)]
+            argv += ["--intermediate-dir", str(Path(tmp) / "stages"), "--no-write-model-card"]
+            res = subprocess.run(argv, cwd=OUT, env=_env(), capture_output=True, text=True)
+            if res.returncode != 0:
+                sys.exit(f"{case}: {_error_message(res.stderr, [str(out), tmp])}")
+            tensors = {}
+            for f in sorted(out.glob("*.safetensors")):
+                tensors.update(load_file(str(f)))
+            save_file(dict(sorted(tensors.items())), str(OUT / "expected" / f"{case}.safetensors"))
+            command = f"mergekit-multi {case}.yml --out-path OUT --intermediate-dir STAGES --no-write-model-card"
+            records[case] = {"command": command, **tokenizer_meaning(out)}
     doc = {"generator": "scripts/mergekit_vocab_e2e.py", "mergekit_version": MERGEKIT_VERSION, "cases": records}
     (OUT / "cases.json").write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--meaning"]:
-        print(json.dumps(tokenizer_meaning(Path(sys.argv[2]))))
-    else:
-        main()
+    main()

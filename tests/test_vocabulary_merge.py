@@ -4,6 +4,7 @@ wrote the fixtures), and the usual promises under a budget."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from mergepipe.devtools.synthetic import tokenizer_meaning as meaning
 from mergepipe.errors import BadInput
 from mergepipe.publish.manifest import verify_output
 from mergepipe.storage.model_files import MANIFEST_FILE
@@ -26,30 +28,19 @@ CASES = json.loads((E2E / "cases.json").read_text())["cases"]
 VOCAB_TENSORS = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def meaning(folder: Path) -> dict:
-    """A saved tokenizer as the issue compares it: vocabulary by id, added tokens with their
-    flags, special tokens, chat template, and config.json's vocab_size."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    vocab = tok.get_vocab()
-    added = {
-        str(i): {k: getattr(t, k) for k in ("content", "special", "single_word", "lstrip", "rstrip", "normalized")}
-        for i, t in sorted(tok.added_tokens_decoder.items())
-    }
-    return {
-        "tokens": sorted(vocab, key=vocab.get),
-        "added": added,
-        "special": sorted(tok.all_special_tokens),
-        "chat_template": tok.chat_template,
-        "vocab_size": json.loads((folder / "config.json").read_text())["vocab_size"],
-    }
-
-
 def _config(case: str, path: Path, **extra) -> Path:
-    """A fixture config with its models' locations made absolute."""
-    doc = yaml.safe_load((E2E / f"{case}.yml").read_text())
-    at = lambda m: str(E2E / m)  # noqa: E731
+    """A fixture config (each of its documents) with its models' locations made absolute."""
+    docs = list(yaml.safe_load_all((E2E / f"{case}.yml").read_text()))
+    stages = {d["name"] for d in docs if "name" in d}
+    for doc in docs:
+        _absolute(doc, stages)
+    docs[-1].update(extra)
+    path.write_text(yaml.safe_dump_all(docs, sort_keys=False))
+    return path
+
+
+def _absolute(doc: dict, stages: set[str]) -> None:
+    at = lambda m: m if m in stages else str(E2E / m)  # noqa: E731
     if "base_model" in doc:
         doc["base_model"] = at(doc["base_model"])
     for m in doc["models"]:
@@ -62,8 +53,6 @@ def _config(case: str, path: Path, **extra) -> Path:
             entry["source"] = at(source)
         elif isinstance(source, dict) and "model" in source:
             source["model"] = at(source["model"])
-    path.write_text(yaml.safe_dump({**doc, **extra}, sort_keys=False))
-    return path
 
 
 def assert_as_mergekit(case: str, out: Path) -> None:
@@ -74,7 +63,7 @@ def assert_as_mergekit(case: str, out: Path) -> None:
     want = CASES[case]
     mine = meaning(out)
     assert sorted(mine["tokens"]) == sorted(want["tokens"])
-    if case not in ("union", "tokens"):  # the ids of a union's added tokens are mergekit's chance
+    if case not in ("union", "tokens", "chat_auto", "two_stages"):  # a union's new ids are mergekit's chance
         assert mine["tokens"] == want["tokens"]
     by_content = lambda added: {v["content"]: v for v in added.values()}  # noqa: E731
     assert by_content(mine["added"]) == by_content(want["added"])
@@ -94,10 +83,22 @@ def assert_as_mergekit(case: str, out: Path) -> None:
             assert torch.equal(got[name], expected), name
 
 
+HAS_MERGEKIT = importlib.util.find_spec("mergekit") is not None
+
+
 @pytest.mark.parametrize(
     "case",
-    ["union", pytest.param("tokens")]
-    + [pytest.param(c, marks=pytest.mark.slow) for c in ("base_source", "model_source", "padded_union")],
+    ["union", "tokens"]
+    + [
+        pytest.param(c, marks=pytest.mark.slow)
+        for c in ("base_source", "model_source", "padded_union", "chat_auto", "chat_jinja")
+    ]
+    + [
+        pytest.param(
+            "chat_named",
+            marks=[pytest.mark.slow, pytest.mark.skipif(not HAS_MERGEKIT, reason="a template's name needs mergekit")],
+        )
+    ],
 )
 def test_vocabularies_as_mergekit_merges_them(case, tmp_path, session_catalog):
     from mergepipe.flows.merge import merge
@@ -105,6 +106,8 @@ def test_vocabularies_as_mergekit_merges_them(case, tmp_path, session_catalog):
     out = tmp_path / "out"
     merge(config=str(_config(case, tmp_path / "c.yml")), out=str(out), catalog=session_catalog)
     assert_as_mergekit(case, out)
+    if case.startswith("chat_") and case != "chat_auto":
+        return  # the tokenizer is the base's, with its template: no vocabulary is built
     manifest = json.loads((out / MANIFEST_FILE).read_text())
     names = {e["file"] for e in manifest["run"]["tokenizer_files"]}
     assert "tokenizer.json" in names and not names & {e["file"] for e in manifest["content"]["output"]["files"]}
@@ -163,3 +166,17 @@ def test_a_chat_template_goes_with_a_built_tokenizer(tmp_path, session_catalog):
     merge(config=str(cfg), out=str(tmp_path / "out"), catalog=session_catalog)
     assert meaning(tmp_path / "out")["chat_template"] == template
     assert verify_output(tmp_path / "out").ok
+
+
+@pytest.mark.slow
+def test_two_stages_as_mergekit_multi_merges_them(tmp_path):
+    """A first stage's union is an input of the final stage, whose vocabulary is built from its
+    tokenizer: the final output as mergekit-multi's."""
+    from mergepipe.flows.stages import merge_stages
+
+    cfg = _config("two_stages", tmp_path / "c.yml")
+    out, inter = tmp_path / "out", tmp_path / "inter"
+    r = merge_stages(config=str(cfg), out=str(out), intermediate_dir=str(inter), catalog=str(tmp_path / "c.duckdb"))
+    assert [s["stage"] for s in r["stages"]] == ["first", None]
+    assert_as_mergekit("two_stages", out)
+    assert verify_output(inter / "first").ok and verify_output(out).ok

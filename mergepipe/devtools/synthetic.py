@@ -200,11 +200,13 @@ def write_tokenizer(
     special: tuple[str, ...] = (),
     added: tuple[str, ...] = (),
     vocab_size: int | None = None,
+    chat_template: str | None = None,
 ) -> int:
     """A small real BPE tokenizer (tokenizers' BPE, saved by transformers: tokenizer.json and
     tokenizer_config.json) over `letters` and their first `merges` pairs, with `special` tokens
-    added as special and `added` as plain added tokens; config.json's vocab_size is set to
-    `vocab_size` (default: the tokenizer's size) when the folder has one. Returns its size."""
+    added as special and `added` as plain added tokens, and a chat template if given;
+    config.json's vocab_size is set to `vocab_size` (default: the tokenizer's size) when the
+    folder has one. Returns its size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -221,6 +223,8 @@ def write_tokenizer(
         fast.add_special_tokens({"additional_special_tokens": list(special)})
     if added:
         fast.add_tokens(list(added))
+    if chat_template is not None:
+        fast.chat_template = chat_template
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(str(folder))
@@ -231,6 +235,27 @@ def write_tokenizer(
         data["vocab_size"] = vocab_size or size
         config.write_text(json.dumps(data, indent=2))
     return size
+
+
+def tokenizer_meaning(folder: str | Path) -> dict:
+    """What a saved tokenizer means, as outputs are compared with mergekit's (the files differ
+    with the transformers version that saved them): the vocabulary by id, the added tokens with
+    their flags, the special tokens, the chat template, and config.json's vocab_size."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    vocab = tok.get_vocab()
+    added = {
+        str(i): {k: getattr(t, k) for k in ("content", "special", "single_word", "lstrip", "rstrip", "normalized")}
+        for i, t in sorted(tok.added_tokens_decoder.items())
+    }
+    return {
+        "tokens": sorted(vocab, key=vocab.get),
+        "added": added,
+        "special": sorted(tok.all_special_tokens),
+        "chat_template": tok.chat_template,
+        "vocab_size": json.loads((Path(folder) / "config.json").read_text())["vocab_size"],
+    }
 
 
 def write_config(path: str | Path, family: FamilyPaths, merge_method: str = "task_arithmetic", **extra) -> Path:

@@ -20,6 +20,7 @@ from mergepipe.storage import virtual
 from mergepipe.storage.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, LoraTensor, adapter_targets
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.model_files import (
+    CONFIG_FILE,
     TOKENIZER_FILES,
     Layout,
     Layouts,
@@ -32,8 +33,6 @@ from mergepipe.storage.model_files import (
 from mergepipe.storage.reader import RangeReader, fingerprint
 from mergepipe.storage.safetensors_format import DTYPES, TensorPlace, tensor_nbytes
 from mergepipe.storage.vocab_rows import VocabTensor
-
-CONFIG = "config.json"
 
 
 def model_fingerprint(model: ModelFiles) -> str:
@@ -129,14 +128,15 @@ def model_tokenizers(homes: list[ModelFiles]) -> tuple[list, list[int | None]]:
             if model.uri in tokenizers:
                 continue
             folder = os.path.join(tmp, str(len(tokenizers)))
-            copied = copy_sidecars(model, TOKENIZER_FILES, folder)
+            # transformers reads config.json to choose a class where tokenizer_config.json names none
+            copied = copy_sidecars(model, (*TOKENIZER_FILES, CONFIG_FILE), folder)
             config = None
-            if CONFIG in copied:
+            if CONFIG_FILE in copied:
                 try:
-                    config = json.loads(Path(folder, CONFIG).read_text())
+                    config = json.loads(Path(folder, CONFIG_FILE).read_text())
                 except (UnicodeDecodeError, json.JSONDecodeError) as err:
-                    raise BadInput(f"{model.path(CONFIG)}: not valid JSON ({err})") from None
-            has = set(copied) - {CONFIG, "chat_template.jinja"}
+                    raise BadInput(f"{model.path(CONFIG_FILE)}: not valid JSON ({err})") from None
+            has = set(copied) - {CONFIG_FILE, "chat_template.jinja", "chat_template.json"}
             tokenizer = load_tokenizer(folder) if has else None
             tokenizers[model.uri] = (tokenizer, config_vocab_size(config if isinstance(config, dict) else None))
     got = [tokenizers[m.uri] for m in homes]

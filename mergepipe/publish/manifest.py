@@ -18,11 +18,11 @@ from mergepipe.index.blocks import layer_count
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan, access_set_sha256
 from mergepipe.publish.card import CARD_FILE, model_card
-from mergepipe.publish.tokenizer import TOKENIZER_SIDECARS, vocabulary_rows, with_vocab_size, write_tokenizer
+from mergepipe.publish.tokenizer import vocabulary_rows, with_vocab_size, write_tokenizer
 from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.location import is_remote, join, normalize, split
-from mergepipe.storage.model_files import ACCESS_FILE, INDEX_FILE, MANIFEST_FILE
+from mergepipe.storage.model_files import ACCESS_FILE, CONFIG_FILE, INDEX_FILE, MANIFEST_FILE, TOKENIZER_FILES
 from mergepipe.storage.reader import read_small_file, stat
 from mergepipe.storage.staging import Staging
 from mergepipe.storage.writer import sha256_uri
@@ -54,7 +54,6 @@ def versions() -> dict:
     return found
 
 
-CONFIG_FILE = "config.json"
 # Where a model's config.json says how many layers it has (mergekit's architectures name these).
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "num_layers")
 
@@ -84,7 +83,8 @@ def write_output_files(plan: Plan, layout: OutputLayout, staging: Staging, ledge
     base = plan.inputs[0]
     n_layers = layer_count(base.tensors)
     rows = vocabulary_rows(plan)
-    kept = [n for n in base.sidecars if rows is None or n not in TOKENIZER_SIDECARS]
+    # a built tokenizer replaces the base's files (config.json stays, with its vocab_size set)
+    kept = [n for n in base.sidecars if rows is None or n not in TOKENIZER_FILES]
     for name in kept:
         if name == CONFIG_FILE and (plan.spec.get("slices") or rows is not None):
             config = with_layer_count(_read_sidecar(base, name, ledger), n_layers)

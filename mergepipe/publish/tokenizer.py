@@ -16,20 +16,6 @@ from mergepipe.plan.record import Plan
 from mergepipe.storage.model_files import ModelFiles
 from mergepipe.storage.staging import Staging
 
-# The base's sidecars that a built tokenizer replaces (config.json stays, with its vocab_size set).
-TOKENIZER_SIDECARS = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
 
 def vocabulary_rows(plan: Plan) -> int | None:
     """The output's vocabulary rows where the plan maps the inputs' rows to a built vocabulary

@@ -23,10 +23,8 @@ SINGLE_FILE = "model.safetensors"
 # What mergepipe adds to an output folder.
 MANIFEST_FILE = "mergepipe-manifest.json"
 ACCESS_FILE = "mergepipe-access.parquet"
-# Copied byte for byte from the base into the output (those that exist).
-SIDECAR_FILES = (
-    "config.json",
-    "generation_config.json",
+# A tokenizer's files, as transformers saves them.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -38,6 +36,9 @@ SIDECAR_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
+CONFIG_FILE = "config.json"
+# Copied byte for byte from the base into the output (those that exist).
+SIDECAR_FILES = (CONFIG_FILE, "generation_config.json", *TOKENIZER_FILES)
 
 
 @dataclass(frozen=True, eq=False, slots=True, weakref_slot=True)
@@ -220,22 +221,6 @@ def _layout(model: ModelFiles, key: tuple[tuple[str, int, bytes], ...]) -> Layou
             raise BadInput(f"{model.uri}: tensor {name!r} appears in both {tensors[name].file} and {shard}")
         tensors.update(places)
     return Layout.of(tensors)
-
-
-# The files a model's tokenizer is loaded from (transformers reads config.json to choose a
-# tokenizer class where tokenizer_config.json names none).
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "vocab.txt",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "config.json",
-)
 
 
 def copy_sidecars(model: ModelFiles, names: tuple[str, ...], folder: str) -> list[str]:
