@@ -139,7 +139,8 @@ class RangeReader:
         self._lock = threading.Lock()
         self._open = True
         self._lent: dict[int, mmap.mmap] = {}  # the mappings of direct reads not given back yet
-        self._factors: dict[tuple[str, str, int], torch.Tensor] = {}  # LoRA factors read whole (_whole_factor)
+        # kept per input while open: LoRA factors read whole (_whole_factor), mean rows (_mean_row)
+        self._factors: dict[tuple, torch.Tensor] = {}
         self._factor_lock = threading.Lock()
         DIRECT_BUFFERS.reader_opened()
 
@@ -331,9 +332,12 @@ class RangeReader:
         with self._factor_lock:
             got = self._factors.get(key)
             if got is None:
-                bufs = [b[0] for b in self.read_batch(self._source_requests(t, t.needs(0, t.n), role, model))]
-                got = self._factors[key] = t.mean_row(bufs)
-                self.release(bufs)
+                total = torch.zeros(t.width, dtype=torch.float64)
+                for r0, r1 in t.slabs():  # a slab at a time: an embedding's rows are not held at once
+                    bufs = [b[0] for b in self.read_batch(self._source_requests(t, t.needs(r0, r1), role, model))]
+                    t.add_rows(total, r0, r1, bufs)
+                    self.release(bufs)
+                got = self._factors[key] = t.mean_of(total)
         return got
 
     def _fetch_requests(self, requests: list[ReadRequest]) -> list[list[bytearray]]:

@@ -14,6 +14,8 @@ from mergepipe.storage.canonical import digest_of
 from mergepipe.storage.safetensors_format import DTYPES, TensorPlace, decode
 
 PREFIX = "vocab:"
+# The rows read at once to make the mean row: it needs every row below the padding.
+SLAB_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class VocabTensor:
     def needs(self, r0: int, r1: int) -> list[tuple[int, int, int]]:
         """The source rows that output rows [r0, r1) below n are made from, as (model, first
         row, rows) in the order read: the copies, then the averages' rows. (Padding rows, from
-        n on, take the mean row, made once from needs(0, n).)"""
+        n on, take the mean row, made once from needs(0, n), a slab at a time.)"""
         out = []
         top = min(r1, self.n)
         for o, m, s, length in self.copies:
@@ -81,7 +83,7 @@ class VocabTensor:
 
     def rows(self, r0: int, r1: int, buffers: list, mean: torch.Tensor | None = None) -> torch.Tensor:
         """Output rows [r0, r1) from the buffers of needs(r0, r1), in its order; `mean` (from
-        mean_row) fills the padding rows among them."""
+        mean_of) fills the padding rows among them."""
         dtype = DTYPES[self.place.dtype].torch
         got = iter(buffers)
 
@@ -104,13 +106,20 @@ class VocabTensor:
             out[max(self.n, r0) - r0 :] = mean
         return out
 
-    def mean_row(self, buffers: list) -> torch.Tensor:
-        """The padding rows' value from the buffers of needs(0, n): the mean of rows [0, n)
-        (mergekit: torch.mean), summed in fp64 row by row in order so that its bits depend on
-        the rows alone, not on the CPU's reduction kernels."""
-        total = torch.zeros(self.width, dtype=torch.float64)
-        for row in self.rows(0, self.n, buffers):  # widened a row at a time: no fp64 copy of them all
+    def slabs(self) -> list[tuple[int, int]]:
+        """Rows [0, n) in slabs of about SLAB_BYTES, the order the mean row sums them in."""
+        step = max(1, SLAB_BYTES // self.row_bytes)
+        return [(r0, min(r0 + step, self.n)) for r0 in range(0, self.n, step)]
+
+    def add_rows(self, total: torch.Tensor, r0: int, r1: int, buffers: list) -> None:
+        """Rows [r0, r1) (from the buffers of needs(r0, r1)) added into `total`, fp64, a row at
+        a time in order: the mean row's bits depend on the rows alone, not on the CPU's
+        reduction kernels (mergekit: torch.mean)."""
+        for row in self.rows(r0, r1, buffers):
             total += row.to(torch.float64)
+
+    def mean_of(self, total: torch.Tensor) -> torch.Tensor:
+        """The padding rows' value: the sum of rows [0, n) (add_rows over slabs()) over n."""
         return (total / self.n).to(DTYPES[self.place.dtype].torch)
 
     def as_json(self) -> dict:
