@@ -20,6 +20,9 @@ vocab_size).
 
     .venv/bin/python scripts/mergekit_vocab_e2e.py
 
+A re-run writes the union cases with other ids for the new tokens (mergekit takes them in a hash
+map's order, another in each process); the tests compare rows by token.
+
 mergekit (LGPL-3.0) runs from `.venv-mergekit` (or $MERGEKIT_PYTHON) as an external program.
 """
 
@@ -232,39 +235,36 @@ def build() -> None:
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+def run(case: str, text: str, argv: list[str]) -> dict:
+    """Write the case's config, run mergekit on it (argv: its command, OUT and STAGES standing
+    for a fresh output and intermediate folder), keep its tensors in expected/<case>.safetensors
+    and return its record: the command and what the output's tokenizer means."""
+    (OUT / f"{case}.yml").write_text(text)
+    with tempfile.TemporaryDirectory(prefix="mk-vocab-") as tmp:
+        out = Path(tmp) / "out"
+        where = {"OUT": str(out), "STAGES": str(Path(tmp) / "stages")}
+        res = subprocess.run([where.get(a, a) for a in argv], cwd=OUT, env=_env(), capture_output=True, text=True)
+        if res.returncode != 0:
+            sys.exit(f"{case}: {_error_message(res.stderr, [str(out), tmp])}")
+        tensors = {}
+        for f in sorted(out.glob("*.safetensors")):
+            tensors.update(load_file(str(f)))
+        save_file(dict(sorted(tensors.items())), str(OUT / "expected" / f"{case}.safetensors"))
+        command = " ".join([Path(argv[0]).name, *argv[1:]])
+        return {"command": command, **tokenizer_meaning(out)}
+
+
 def main() -> None:
     python = mergekit_python()
     build()
     (OUT / "expected").mkdir()
     records = {}
     for case, text in CONFIGS.items():
-        (OUT / f"{case}.yml").write_text(text)
-        with tempfile.TemporaryDirectory(prefix="mk-vocab-") as tmp:
-            out = Path(tmp) / "out"
-            argv = [str(python.parent / "mergekit-yaml"), f"{case}.yml", str(out), "--no-write-model-card"]
-            res = subprocess.run(argv, cwd=OUT, env=_env(), capture_output=True, text=True)
-            if res.returncode != 0:
-                sys.exit(f"{case}: {_error_message(res.stderr, [str(out), tmp])}")
-            tensors = {}
-            for f in sorted(out.glob("*.safetensors")):
-                tensors.update(load_file(str(f)))
-            save_file(dict(sorted(tensors.items())), str(OUT / "expected" / f"{case}.safetensors"))
-            records[case] = {"command": f"mergekit-yaml {case}.yml OUT --no-write-model-card", **tokenizer_meaning(out)}
+        argv = [str(python.parent / "mergekit-yaml"), f"{case}.yml", "OUT", "--no-write-model-card"]
+        records[case] = run(case, text, argv)
     for case, text in MULTI.items():
-        (OUT / f"{case}.yml").write_text(text)
-        with tempfile.TemporaryDirectory(prefix="mk-vocab-") as tmp:
-            out = Path(tmp) / "out"
-            argv = [str(python.parent / "mergekit-multi"), f"{case}.yml", "--out-path", str(out)]
-            argv += ["--intermediate-dir", str(Path(tmp) / "stages"), "--no-write-model-card"]
-            res = subprocess.run(argv, cwd=OUT, env=_env(), capture_output=True, text=True)
-            if res.returncode != 0:
-                sys.exit(f"{case}: {_error_message(res.stderr, [str(out), tmp])}")
-            tensors = {}
-            for f in sorted(out.glob("*.safetensors")):
-                tensors.update(load_file(str(f)))
-            save_file(dict(sorted(tensors.items())), str(OUT / "expected" / f"{case}.safetensors"))
-            command = f"mergekit-multi {case}.yml --out-path OUT --intermediate-dir STAGES --no-write-model-card"
-            records[case] = {"command": command, **tokenizer_meaning(out)}
+        argv = [str(python.parent / "mergekit-multi"), f"{case}.yml", "--out-path", "OUT"]
+        records[case] = run(case, text, argv + ["--intermediate-dir", "STAGES", "--no-write-model-card"])
     doc = {"generator": "scripts/mergekit_vocab_e2e.py", "mergekit_version": MERGEKIT_VERSION, "cases": records}
     (OUT / "cases.json").write_text(json.dumps(doc, indent=1) + "\n")
 

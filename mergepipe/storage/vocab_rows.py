@@ -53,9 +53,7 @@ class VocabTensor:
     def whole_cost(self, rows: list[tuple[int, int]]) -> int:
         """What reading these row ranges reads once besides their cost(): the rows below n,
         where one of them reaches a padding row."""
-        if not any(r1 > self.n for _, r1 in rows):
-            return 0
-        return sum(b - a for a, b in (self.source_range(m, s, k) for m, s, k in self.needs(0, self.n)))
+        return self.cost(0, self.n) if any(r1 > self.n for _, r1 in rows) else 0
 
     def needs(self, r0: int, r1: int) -> list[tuple[int, int, int]]:
         """The source rows that output rows [r0, r1) below n are made from, as (model, first
