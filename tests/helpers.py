@@ -5,13 +5,45 @@ from __future__ import annotations
 import math
 import os
 import subprocess
+import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import torch
 
 from mergepipe.devtools.synthetic import FamilyPaths, make_family, write_config, write_model
 
 from .reference import load_model
+
+T = TypeVar("T")
+
+# How long a test waits for something a process or server must do before it is taken for
+# never happening: far beyond what it takes on an idle machine, so that a busy one (2 cores
+# and another CPU-heavy process beside the suite) still gets there; below pytest-timeout's
+# per-test limit (pyproject), so a test that waits in vain fails saying what it waited for.
+START_S = 300  # a server, worker or other process to start (or to stop)
+EVENT_S = 180  # something a running process or server does next (a log line, a row, a file)
+
+
+def wait_until(
+    condition: Callable[[], T],
+    deadline_s: float,
+    what: str,
+    detail: Callable[[], object] | None = None,
+    every: float = 0.2,
+) -> T:
+    """Poll `condition` every `every` s until it returns something true, and return that. After
+    `deadline_s` s, fail saying `what` was awaited (and `detail()`, such as a log's tail).
+    Wait on the condition itself, never on a fixed sleep: a loaded machine is slow, not wrong."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        got = condition()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            extra = f"\n{detail()}" if detail is not None else ""
+            raise AssertionError(f"waited {deadline_s:g} s for {what}, in vain{extra}")
+        time.sleep(every)
 
 
 def config_for(
@@ -38,6 +70,22 @@ def assert_bit_identical(out_dir: Path, expected: dict[str, torch.Tensor]) -> No
         a = got[k].contiguous().reshape(-1).view(torch.uint8)
         b = expected[k].contiguous().reshape(-1).view(torch.uint8)
         assert torch.equal(a, b), f"{k}: bytes differ"
+
+
+# mergekit uses torch's kernels as they come (fused multiply-adds on AVX, reductions grouped by
+# SIMD width, SLEEF's exp and sin), so its bits change with the CPU; mergepipe's do not
+# (docs/operators.md, "The same bytes on every CPU"). Outputs are compared with mergekit's within
+# this many fp32 ulps of each tensor's magnitude, and mergepipe's own bytes pinned by digests.
+MERGEKIT_ULPS = 8
+
+
+def assert_close_to_mergekit(got: torch.Tensor, want: torch.Tensor, name: str, ulps: int = MERGEKIT_ULPS) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, name
+    if torch.equal(got, want) or not want.is_floating_point():
+        assert torch.equal(got, want), name
+        return
+    tol = ulps * torch.finfo(want.dtype).eps * float(want.abs().max())
+    assert float((got.double() - want.double()).abs().max()) <= tol, name
 
 
 def tiny_family(root: Path) -> FamilyPaths:

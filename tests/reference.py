@@ -69,7 +69,10 @@ def l1_rescale(orig, pruned):
 
 
 def den_of(weights):
-    d = float(torch.tensor(weights, dtype=torch.float32).sum())
+    d = np.float32(0)
+    for w in weights:  # in order, in fp32
+        d = np.float32(d + np.float32(w))
+    d = float(d)
     return 1.0 if abs(d) < 1e-8 else d
 
 
@@ -96,7 +99,7 @@ def merge_tensor(
     if method == "linear":
         acc = torch.zeros_like(b)
         for w, x in zip(weights, xs):
-            acc.addcmul_(x, torch.tensor(w, dtype=torch.float32))  # mergekit 0.1.5: multiply-add
+            acc += x * torch.tensor(w, dtype=torch.float32)  # each product rounded, then added
         return acc / den_of(weights) if normalize else acc
     deltas = []
     for i, x in enumerate(xs):

@@ -271,30 +271,33 @@ E2E_CASES = json.loads((E2E / "cases.json").read_text())["cases"]
 def test_mergekit_configs_run_unchanged_and_give_mergekit_bytes(case, tmp_path, session_catalog):
     """mergekit-yaml's own outputs (scripts/mergekit_e2e.py) on a tiny Llama family whose
     models sit at the Hugging Face ids of mergekit's examples, relative to the configs: fp32,
-    filters, gradients, the base listed among the models, linear with and without a base."""
+    filters, gradients, the base listed among the models, linear with and without a base.
+    mergekit's bits depend on the CPU's kernels and mergepipe's do not: each tensor within
+    MERGEKIT_ULPS of mergekit's (LoRA too: PEFT's B @ A sums in the order torch's kernel picks,
+    mergepipe rank by rank), and mergepipe's own output pinned by its digest."""
     from mergepipe.flows.merge import merge
 
-    from .helpers import assert_bit_identical
-
-    merge(config=str(E2E / case["config"]), out=str(tmp_path / "out"), catalog=session_catalog)
-    want = load_file(E2E / case["expected"])
-    if not case["case"].startswith("lora"):
-        assert_bit_identical(tmp_path / "out", want)
-        return
-    # LoRA: mergekit has PEFT merge each adapter with a matmul (B @ A, whose summation order
-    # torch's kernel picks); mergepipe sums the rank's terms in a fixed order. Weights an
-    # adapter changes agree to a few fp32 ulps of the tensor's scale; every other one bit for bit.
+    from .helpers import assert_close_to_mergekit
     from .reference import load_model
+    from .test_mergekit_parity import pinned
 
-    got = load_model(tmp_path / "out")
+    done = merge(config=str(E2E / case["config"]), out=str(tmp_path / "out"), catalog=session_catalog)
+    assert done["digest"] == pinned(case["case"], "mergekit_e2e")
+    want, got = load_file(E2E / case["expected"]), load_model(tmp_path / "out")
     assert sorted(got) == sorted(want)
+    if case["case"] == "arcee_fusion":
+        # These deltas are a fine-tune's: mergekit's fp32 KL divergence lies below fp32's
+        # resolution, so its keep decisions are rounding noise, which changes with the CPU
+        # (operators/arcee_fusion.py). Each element is the base's or the expert's; the
+        # decisions are compared with mergekit's where the divergence is resolved, in
+        # test_mergekit_parity; the bytes are pinned above.
+        config = yaml.safe_load((E2E / case["config"]).read_text())
+        base, x = (load_model(E2E / m) for m in (config["base_model"], config["models"][0]["model"]))
+        for name, w in want.items():
+            assert bool(((got[name] == base[name]) | (got[name] == x[name])).all()), name
+        return
     for name, w in want.items():
-        assert got[name].dtype == w.dtype, name
-        if torch.equal(got[name], w):
-            continue
-        assert any(m in name for m in ("q_proj", "v_proj", "gate_proj", "down_proj", "embed_tokens")), name
-        tol = 8 * torch.finfo(torch.float32).eps * float(w.abs().max())
-        assert float((got[name].double() - w.double()).abs().max()) <= tol, name
+        assert_close_to_mergekit(got[name], w, name)
 
 
 def test_multislerp_without_a_base_merges_every_model_and_replays(tmp_path, session_catalog):
@@ -305,7 +308,8 @@ def test_multislerp_without_a_base_merges_every_model_and_replays(tmp_path, sess
     from mergepipe.flows.replay import replay
     from mergepipe.storage.model_files import MANIFEST_FILE
 
-    from .helpers import assert_bit_identical
+    from .helpers import assert_bit_identical, assert_close_to_mergekit
+    from .reference import load_model
 
     config = yaml.safe_load((E2E / "multislerp_no_base.yml").read_text())
     for entry in config["models"]:
@@ -318,7 +322,10 @@ def test_multislerp_without_a_base_merges_every_model_and_replays(tmp_path, sess
     a = merge(config=str(tmp_path / "implicit.yml"), out=str(tmp_path / "a"), catalog=session_catalog)
     again = replay(manifest=str(tmp_path / "a" / MANIFEST_FILE), out=str(tmp_path / "b"), catalog=session_catalog)
     assert again["digest"] == a["digest"]
-    assert_bit_identical(tmp_path / "b", load_file(E2E / "expected" / "multislerp_no_base.safetensors"))
+    assert_bit_identical(tmp_path / "b", load_model(tmp_path / "a"))
+    want = load_file(E2E / "expected" / "multislerp_no_base.safetensors")
+    for name, w in want.items():
+        assert_close_to_mergekit(load_model(tmp_path / "b")[name], w, name)
 
 
 def test_mergekit_ties_example_verbatim(tmp_path, session_catalog):

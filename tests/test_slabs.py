@@ -499,13 +499,13 @@ def test_smallest_first_threshold_is_rank_below():
                 assert torch.equal(got, rank_below(mag, k)), (name, k, step)
 
 
-@pytest.mark.parametrize("grain", [5, 64, 1 << 15])
+@pytest.mark.parametrize("grain", [4, 64, 1 << 16])
 def test_fixed_reduction_of_pieces_equals_the_whole(monkeypatch, grain):
     """FixedReduction over random cuts equals fixed_sum and fixed_norm of the whole bit for bit,
-    below the grain and above it, with cuts inside and across chunks."""
+    with fewer elements than lanes and many sweeps of them, cuts inside and across sweeps."""
     from mergepipe.operators import reductions
 
-    monkeypatch.setattr(reductions, "GRAIN", grain)
+    monkeypatch.setattr(reductions, "LANES", grain)
     rng = np.random.default_rng(1)
     for _ in range(30):
         n = int(rng.integers(1, 5 * grain + 100))
@@ -537,17 +537,17 @@ INTERPOLATIONS = [
 ]
 
 
-@pytest.mark.parametrize("grain", [16, 1 << 15])
+@pytest.mark.parametrize("grain", [16, 1 << 16])
 @pytest.mark.parametrize("method,k,values,takes", INTERPOLATIONS)
 def test_interpolations_over_windows_equal_the_whole_tensor(monkeypatch, grain, method, k, values, takes):
     """slerp, nuslerp and model_stock over windows (of one slab row, of a few rows, of the whole
     tensor) equal merge() of the whole tensor, then .to(out dtype), bit for bit: their norms, dot
-    products and cosines are the whole tensor's, chunk for chunk (a small grain: many chunks cut
-    by the windows; the real one: on a tensor of a few grains). Row-wise nuslerp, whose vectors
+    products and cosines are the whole tensor's, lane for lane (a few lanes: many sweeps cut by
+    the windows; the real count: on a tensor of about two sweeps). Row-wise nuslerp, whose vectors
     run across rows, declines having written nothing."""
     from mergepipe.operators import reductions
 
-    monkeypatch.setattr(reductions, "GRAIN", grain)
+    monkeypatch.setattr(reductions, "LANES", grain)
     rows, width = (53, 7) if grain == 16 else (300, 350)
     base, experts = _interpolation_family(torch.Generator().manual_seed(len(method) + k), rows, width)
     experts = experts[:k]

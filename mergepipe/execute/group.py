@@ -13,6 +13,7 @@ from mergepipe.execute import batched, streamed, whole, windowed
 from mergepipe.execute.context import GroupContext, TensorReads
 from mergepipe.execute.memory import Form, MemoryPlan
 from mergepipe.index.tap import StatsTap, TappedReader
+from mergepipe.operators.kernels import kernel_set
 from mergepipe.operators.ranges import coalesce
 from mergepipe.plan.output import OutputLayout
 from mergepipe.plan.record import Plan
@@ -32,8 +33,9 @@ PREFETCH_TENSORS = 2
 class GroupResult:
     """What merging one group gives: the ledger rows of what it read and wrote, the SHA-256 of
     the bytes it wrote (in layout order), the process that wrote them and, for a first merge,
-    the statistics its tap measured (index.tap.StatsTap.result). Its record is the group's
-    mark (the staging's mark_done), from which a resumed run takes it over."""
+    the statistics its tap measured (index.tap.StatsTap.result), and the CPU kernel set that
+    process's torch dispatched to (for the record: the bytes do not depend on it). Its record
+    is the group's mark (the staging's mark_done), from which a resumed run takes it over."""
 
     rows: list[dict]
     sha256: str
@@ -42,9 +44,16 @@ class GroupResult:
     resumed: bool = field(default=False, compare=False)  # taken over from an earlier run's mark
     # what the staging keeps of the written bytes (an object-store staging: the pieces)
     staged: dict = field(default_factory=dict, compare=False)
+    kernels: str = field(default="", compare=False)
 
     def as_record(self) -> dict:
-        record = {"rows": self.rows, "sha256": self.sha256, "worker": self.worker, **self.staged}
+        record = {
+            "rows": self.rows,
+            "sha256": self.sha256,
+            "worker": self.worker,
+            "kernels": self.kernels,
+            **self.staged,
+        }
         if self.index is not None:
             record["index"] = self.index
         return record
@@ -52,8 +61,8 @@ class GroupResult:
     @classmethod
     def from_record(cls, record: dict, resumed: bool = True) -> "GroupResult":
         rows, sha, worker, index = record["rows"], record["sha256"], record.get("worker", ""), record.get("index")
-        staged = {k: v for k, v in record.items() if k not in ("rows", "sha256", "worker", "index")}
-        return cls(rows, sha, worker, index, resumed, staged)
+        staged = {k: v for k, v in record.items() if k not in ("rows", "sha256", "worker", "index", "kernels")}
+        return cls(rows, sha, worker, index, resumed, staged, record.get("kernels", ""))
 
 
 class GroupMerger:
@@ -195,7 +204,9 @@ def merge_group(
         out.abort()
         raise
     index_result = merger.index_result if index is not None else None
-    return GroupResult(ledger.rows(), merger.g.written.hexdigest(), worker, index_result, staged=staged)
+    return GroupResult(
+        ledger.rows(), merger.g.written.hexdigest(), worker, index_result, staged=staged, kernels=kernel_set()
+    )
 
 
 def finished_group(layout: OutputLayout, group: str, staging: Staging) -> GroupResult | None:

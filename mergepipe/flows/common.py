@@ -204,12 +204,15 @@ class _GroupResults:
         self.resumed = ByteLedger()  # what the runs before it read for the groups it found finished
         self.resumed_groups: list[str] = []
         self.workers: dict[str, str] = {}  # layer group -> host:pid of the process that wrote it
+        self.kernels: set[str] = set()  # the CPU kernel sets the groups were merged under
         self.index: list[tuple[dict, bool]] = []  # what the groups of a first merge indexed, resumed or not
         self.rep = rep
 
     def add(self, group: str, result: GroupResult) -> None:
         rows, resumed = result.rows, result.resumed
         self.workers[group] = result.worker
+        if result.kernels:
+            self.kernels.add(result.kernels)
         if result.index is not None:
             self.index.append((result.index, resumed))
         if resumed:
@@ -348,6 +351,8 @@ def execute_plan(ex: Execution) -> dict:
             "wall_seconds": time.perf_counter() - ex.t0,
             "flow_run_id": flow_run_id(),
             "versions": versions(),
+            # for the record: the bytes are the same under every kernel set (operators/kernels.py)
+            "cpu_kernels": sorted(results.kernels),
             # the Hub commits read (replay reads the same ones or refuses), and where each input's
             # files were read
             "commits": commit_roots([i.root for i in plan.inputs] + [f for i in plan.inputs for f in i.files]),
@@ -431,6 +436,7 @@ def execute_plan(ex: Execution) -> dict:
         "resumed_groups": sorted(results.resumed_groups),
         "runner": runner,
         "workers": sorted(set(results.workers.values())),
+        "cpu_kernels": run["cpu_kernels"],
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
         "pairs": plan.n_pairs,

@@ -9,24 +9,44 @@ tensor, so a merge repeats).
 Under a budget an omitted block reads as the base there: its rows' importance is zero, a read
 row's is its own (rows are whole in a block), but the quartiles are the whole tensor's, so the
 threshold moves. No bound is claimed; pairs are ranked by ‖Δ‖.
+
+The KL divergence is computed in fp64 (`elementary`'s softmax and log, `reductions`'s row sums:
+the same bits on every CPU). mergekit computes it in fp32, where for a fine-tune's small deltas
+the divergence of two nearly equal softmaxes lies below fp32's resolution: its scores there are
+rounding noise, which changes with the CPU's kernels, and so do its keep decisions. Where the
+divergence is resolved, mergepipe keeps what mergekit keeps, except at scores within rounding
+of the threshold.
 """
 
 from __future__ import annotations
 
 from mergepipe import torch
 from mergepipe.operators.base import ExpertSource, MergeParams, Operator, TensorContext
+from mergepipe.operators.elementary import SLAB, log64, softmax64
 from mergepipe.operators.reductions import sum_last
 
 SAMPLE_SIZE = 1_000_000  # mergekit's _QUANTILE_SAMPLE_SIZE
 QUARTILES = (0.25, 0.5, 0.75)
 
 
+def kl_rows(expert: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row (keepdim) of p = softmax(expert) + eps and q = softmax(base) + eps over
+    the last dim, in fp64, a slab of rows at a time."""
+    eps = 1e-8
+    width = expert.shape[-1] if expert.dim() else 1
+    e_rows, b_rows = expert.reshape(-1, width), base.reshape(-1, width)
+    out = torch.empty(e_rows.shape[0], 1, dtype=torch.float64)
+    step = max(1, SLAB // max(1, width))
+    for r in range(0, e_rows.shape[0], step):
+        p = softmax64(e_rows[r : r + step].double()) + eps
+        q = softmax64(b_rows[r : r + step].double()) + eps
+        out[r : r + step] = sum_last(p * log64(p / q))
+    return out.reshape(*expert.shape[:-1], 1) if expert.dim() else out.reshape(())
+
+
 def importance(expert: torch.Tensor, base: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """|delta| times the KL divergence of the expert's rows from the base's (delta: expert - base)."""
-    eps = 1e-8
-    p = torch.nn.functional.softmax(expert, dim=-1) + eps
-    q = torch.nn.functional.softmax(base, dim=-1) + eps
-    return delta.abs() * sum_last(p * torch.log(p / q))
+    return delta.abs() * kl_rows(expert, base).to(delta.dtype)
 
 
 def threshold(scores: torch.Tensor, ctx: TensorContext) -> torch.Tensor:

@@ -38,6 +38,7 @@ from mergepipe.operators.base import (
 )
 from mergepipe.operators.draws import default_keep
 from mergepipe.operators.ranges import tiles
+from mergepipe.operators.reductions import sum_scalars
 from mergepipe.operators.slabs import MagnitudeKeep, OutlierKeep, RandomKeep, RankKeep, SlabMerge
 from mergepipe.operators.sparsify import della_prune, magnitude_outliers, magnitude_prune, random_drop
 
@@ -66,7 +67,7 @@ def della(tau: torch.Tensor, params: MergeParams, i: int, ctx: TensorContext) ->
 
 
 def scalar_denominator(weights: Sequence[float]) -> float:
-    den = float(torch.tensor(list(weights), dtype=torch.float32).sum())
+    den = sum_scalars(weights)
     return 1.0 if abs(den) < 1e-8 else den
 
 

@@ -6,16 +6,18 @@ models unless the config lists it among them. The order counts: it sets the orde
 
 Under a budget an omitted block reads as the base's values, which changes that model's norm and
 direction, so every element of the tensor moves: no bound is claimed, and pairs are ranked by
-‖Δ‖/N. Whole-tensor norms and dot products go through `reductions` (torch's own below its
-parallel grain, so small tensors match mergekit bit for bit); `.item()` only picks branches, as
-in mergekit.
+‖Δ‖/N. Whole-tensor norms and dot products go through `reductions`, the angles' functions
+through the C library's (`fixed_scalar`): the same bits on every CPU, within a few ulps of
+mergekit's; `.item()` only picks branches, as in mergekit.
 """
 
 from __future__ import annotations
 
+import math
+
 from mergepipe import torch
 from mergepipe.operators.base import BASE_AT, ExpertSource, MergeParams, Operator, Parameter, TensorContext
-from mergepipe.operators.reductions import fixed_dot, fixed_norm
+from mergepipe.operators.reductions import fixed_dot, fixed_norm, fixed_scalar
 
 
 def _whole_count(v: float) -> None:
@@ -52,14 +54,16 @@ def karcher_mean(tensors: list[torch.Tensor], max_iter: int, tol: float) -> torc
         tangent = torch.zeros_like(mean)
         for alpha, unit in zip(weights, valid_units):
             dot = torch.clamp(fixed_dot(mean.reshape(-1), unit.reshape(-1)), -1.0, 1.0)
-            theta = torch.arccos(dot)
+            theta = fixed_scalar(math.acos, dot)
             if theta.item() < tol:
                 continue
-            tangent += alpha * (theta / torch.sin(theta)) * (unit - dot * mean)
+            tangent += alpha * (theta / fixed_scalar(math.sin, theta)) * (unit - dot * mean)
         tangent_norm = _norm(tangent)
         if tangent_norm.item() < tol:
             break
-        mean = torch.cos(tangent_norm) * mean + torch.sin(tangent_norm) * (tangent / tangent_norm)
+        mean = fixed_scalar(math.cos, tangent_norm) * mean + fixed_scalar(math.sin, tangent_norm) * (
+            tangent / tangent_norm
+        )
         unit_norm = _norm(mean)
         if unit_norm.item() > tol:
             mean = mean / unit_norm

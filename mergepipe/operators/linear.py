@@ -2,8 +2,9 @@
 experts and, when the config lists the base among its models, the base with its own weight.
 
 An omitted (expert, block) pair reads as the base's values there, i.e. a zero delta. Sums run
-in input order in fp32 with multiply-add (as mergekit 0.1.5); a weight sum of zero divides by 1
-(mergekit divides by zero).
+in input order in fp32, each product rounded before it is added (as mergekit 0.1.5 does; a fused
+multiply-add, which torch's AVX kernels use for addcmul and the plain ones do not, would round
+once); a weight sum of zero divides by 1 (mergekit divides by zero).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from mergepipe.operators.base import (
     flag,
 )
 from mergepipe.operators.gta import scalar_denominator
+
+PRODUCT_STEP = 1 << 20
 
 
 class Linear(Operator):
@@ -50,7 +53,10 @@ class Linear(Operator):
             order.insert(params.get(BASE_AT, 0), None)
         weights = iter(params["weight"])
         acc = torch.zeros_like(base)
-        for k in order:  # one expert at a time
+        flat = acc.view(-1)
+        for k in order:  # one expert at a time, a step of elements at a time (a small product)
             w, x = (params.base_value("weight"), base) if k is None else (next(weights), experts[k])
-            acc.addcmul_(x, torch.tensor(w, dtype=acc.dtype))
+            w, x = torch.tensor(w, dtype=acc.dtype), x.reshape(-1)
+            for a in range(0, flat.numel(), PRODUCT_STEP):
+                flat[a : a + PRODUCT_STEP] += x[a : a + PRODUCT_STEP] * w
         return acc / scalar_denominator(self._all_weights(params)) if params["normalize"] else acc

@@ -10,7 +10,7 @@ import math
 
 from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, ExpertSource, MergeParams, Operator, TensorContext, flag
-from mergepipe.operators.reductions import FixedReduction, norm_last, sum_last
+from mergepipe.operators.reductions import FixedReduction, norm_last, sum_first, sum_last
 from mergepipe.operators.slabs import loaded_windows
 
 
@@ -67,13 +67,8 @@ class ModelStock(Operator):
                 w0 = d.base(r0, r1)
                 ws = [d.values(i, r0, r1) for i in experts]
                 offsets = [w - w0 for w in ws]
-                # torch's per-row reductions, as norm_last and sum_last make them for many rows
                 pairs = [
-                    (
-                        torch.sum(a * b, dim=-1, keepdim=True).squeeze(-1),
-                        torch.norm(a, dim=-1, keepdim=True),
-                        torch.norm(b, dim=-1, keepdim=True),
-                    )
+                    (sum_last(a * b).squeeze(-1), norm_last(a), norm_last(b))
                     for i, a in enumerate(offsets)
                     for b in offsets[i + 1 :]
                 ]
@@ -99,7 +94,7 @@ def stock_t(pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], k: int
     """t (per tensor, or per row) from each pair's dot product and norms (keepdim) of the task
     vectors: t = K c / (1 + (K - 1) c) for the mean pairwise cosine c, 0 where that vanishes."""
     cosines = [(dot / (na * nb).squeeze(-1).clamp(min=1e-6)).clamp(-1, 1) for dot, na, nb in pairs]
-    cos = torch.stack(cosines).mean(dim=0).unsqueeze(-1)
+    cos = (sum_first(cosines) / len(cosines)).unsqueeze(-1)
     den = 1 + (k - 1) * cos
     singular = den.abs() < 1e-6
     return torch.where(singular, torch.zeros_like(cos), (k * cos) / torch.where(singular, torch.ones_like(den), den))

@@ -7,12 +7,14 @@ and the same interpolation runs on the tensors themselves.
 Under a budget an omitted block is a zero delta there, which changes that expert's norm and
 direction over the whole tensor: no bound is claimed, and pairs are ranked by w_k·‖Δ‖
 (normalized weights). One expert alone is returned as it is, as in mergekit. A tensor no expert
-changed is the base (mergekit stops with an error there when it has three or more experts). Whole-tensor norms
-and sums go through `reductions` (torch's own below its parallel grain, so small tensors match
-mergekit bit for bit).
+changed is the base (mergekit stops with an error there when it has three or more experts).
+Norms and sums go through `reductions`, the sphere's functions through the C library's
+(`fixed_scalar`): the same bits on every CPU, within a few ulps of mergekit's.
 """
 
 from __future__ import annotations
+
+import math
 
 from mergepipe import torch
 from mergepipe.errors import BadInput
@@ -26,7 +28,7 @@ from mergepipe.operators.base import (
     TensorContext,
     flag,
 )
-from mergepipe.operators.reductions import fixed_norm, fixed_sum
+from mergepipe.operators.reductions import fixed_norm, fixed_scalar, fixed_sum, sum_first
 
 
 def _per_row(x: torch.Tensor, reduce) -> torch.Tensor:
@@ -48,7 +50,7 @@ class MultiSlerp(Operator):
         if params.base is not None:
             weights.insert(params.get(BASE_AT, 0), params.base_value("weight"))
         weights = torch.tensor(weights, dtype=torch.float32)
-        return weights / weights.sum() if params["normalize_weights"] else weights
+        return weights / sum_first(weights) if params["normalize_weights"] else weights
 
     def coefficients(self, params: MergeParams) -> list[float]:
         weights = [abs(float(w)) for w in self._weights(params)]
@@ -73,7 +75,7 @@ class MultiSlerp(Operator):
         weights = self._weights(params)
         norms = _per_row(flat, fixed_norm)
         units = flat / (norms + eps)
-        mean = (units * weights.view(-1, 1)).sum(0)
+        mean = sum_first(units * weights.view(-1, 1))
         mean_norm = fixed_norm(mean)
         if mean_norm < eps and not bool(norms.any()) and origin:
             # No expert changed the tensor (or the plan read none of it): the base. mergekit
@@ -90,8 +92,9 @@ class MultiSlerp(Operator):
         mean = mean / mean_norm
         dots = _per_row(units * mean, fixed_sum)
         tangents = units - dots * mean
-        tangent = (tangents * weights.view(-1, 1)).sum(0)
+        tangent = sum_first(tangents * weights.view(-1, 1))
         tangent_norm = fixed_norm(tangent) + eps
-        result = mean * torch.cos(tangent_norm) + tangent * (torch.sin(tangent_norm) / tangent_norm)
-        result = (result * (norms.squeeze(-1) * weights).sum()).view(base.shape)
+        cos, sin = fixed_scalar(math.cos, tangent_norm), fixed_scalar(math.sin, tangent_norm)
+        result = mean * cos + tangent * (sin / tangent_norm)
+        result = (result * sum_first(norms.squeeze(-1) * weights)).view(base.shape)
         return result + base if origin else result

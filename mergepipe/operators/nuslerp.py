@@ -1,7 +1,8 @@
 """nuslerp (mergekit 0.1.5): spherical interpolation of two experts' task vectors, per tensor,
 per vector along the last dim, or per row; in fp32. Not additive (see slerp.py): no bound. A
 tensor too large to hold is merged over windows of its rows (not row_wise: its vectors run
-across rows).
+across rows). Sums and norms go through `reductions`, the angles' functions (one per vector)
+through the C library's: the same bits on every CPU.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 
 from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, WEIGHT, ExpertSource, MergeParams, Operator, TensorContext, flag
-from mergepipe.operators.reductions import FixedReduction, norm_last, sum_last
+from mergepipe.operators.reductions import FixedReduction, fixed_scalar, norm_last, sum_last
 from mergepipe.operators.slabs import loaded_windows
 
 
@@ -41,9 +42,9 @@ def nuslerp_mix(t: float, v0: torch.Tensor, v1: torch.Tensor, cos: torch.Tensor,
     """The interpolation of v0 and v1 from the cosine of their directions (per vector)."""
     cos = cos.clamp(-1, 1)
     colinear = (1 - cos.square()) <= eps**2
-    theta = torch.acos(torch.where(colinear, 0, cos))
-    sin_theta = torch.sin(theta)
-    out = (torch.sin((1 - t) * theta) * v0 + torch.sin(t * theta) * v1) / sin_theta
+    theta = fixed_scalar(math.acos, torch.where(colinear, 0, cos))  # one angle per vector
+    sin_theta = fixed_scalar(math.sin, theta)
+    out = (fixed_scalar(math.sin, (1 - t) * theta) * v0 + fixed_scalar(math.sin, t * theta) * v1) / sin_theta
     return torch.where(colinear, (1 - t) * v0 + t * v1, out)
 
 
@@ -107,9 +108,7 @@ class NuSlerp(Operator):
         if not whole:
             for r0, r1, d in loaded_windows(windows, [0, 1]):
                 v0, v1 = d.tau(0, r0, r1), d.tau(1, r0, r1)
-                # torch's per-row reductions, as norm_last and sum_last make them for many rows
-                n0, n1 = (torch.norm(v, dim=-1, keepdim=True) for v in (v0, v1))
-                cos = torch.sum(_unit(v0, n0) * _unit(v1, n1), dim=-1, keepdim=True)
+                cos = sum_last(_unit(v0, norm_last(v0)) * _unit(v1, norm_last(v1)))
                 write(r0, (d.base(r0, r1) + nuslerp_mix(t, v0, v1, cos, 1e-8)).to(out_dtype))
             return True
         norms = FixedReduction(n, norm=True), FixedReduction(n, norm=True)

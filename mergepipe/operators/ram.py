@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from mergepipe import torch
 from mergepipe.operators.base import EPSILON, ExpertSource, MergeParams, Operator, Parameter, TensorContext
+from mergepipe.operators.reductions import sum_first
 
 # mergekit's `epsilon` here is one value for the tensor (della's is per model): the name, kind
 # and range are the same.
@@ -32,7 +33,7 @@ def _ram_vectors(base: torch.Tensor, experts: ExpertSource, epsilon: float):
 
 def _merged(base: torch.Tensor, unique_part: torch.Tensor, tv: torch.Tensor, overlap, counts) -> torch.Tensor:
     shared = tv.mul_(overlap).div_(counts.clamp(min=1))
-    return base + unique_part.add_(shared).sum(dim=0, keepdim=True).reshape_as(base)
+    return base + sum_first(unique_part.add_(shared)).reshape_as(base)
 
 
 class Ram(Operator):

@@ -1,116 +1,154 @@
-"""Whole-tensor sums and norms that do not depend on the thread count.
+"""Sums, norms and dot products whose bits depend neither on the thread count nor on the CPU's
+float kernels.
 
-torch reduces up to 32768 elements on one thread (its parallel grain) and splits larger
-single-output reductions across threads, so the rounding of a sum changes with the machine.
-Below the grain these are torch's own reductions (so small tensors match other torch code, such
-as mergekit, bit for bit); above it, torch reduces fixed chunks of the grain's size and the
-chunk results are combined in fp64 in a fixed order."""
+torch's reductions split work by thread and add within SIMD lanes whose width depends on the
+kernel set it dispatches to (8 floats with AVX2, 16 with AVX-512, others on ARM), so their last
+bits change from machine to machine. Here every value is widened to fp64 (squares and products
+of two fp32 values are then exact) and added in an order fixed by position alone: element i goes
+to lane i mod L, each lane adds its elements in order, and the L lanes are combined by halving
+(lane j + lane j + L/2, ...). Each step is an elementwise fp64 add, which IEEE arithmetic
+rounds the same on every CPU. The result is rounded once to the input's dtype.
+
+A whole tensor uses LANES lanes; a reduction per row (over the last dim) uses ROW_LANES.
+"""
 
 from __future__ import annotations
 
-import numpy as np
+from collections.abc import Sequence
 
 from mergepipe import torch
 
-GRAIN = 32768
+LANES = 1 << 16  # powers of two (the halving)
+ROW_LANES = 64
+
+_SUM, _SQUARES = "sum", "squares"
 
 
-def _chunks(flat: torch.Tensor) -> list[torch.Tensor]:
-    return [flat[i : i + GRAIN] for i in range(0, flat.numel(), GRAIN)]
+def _tree(acc: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim of an fp64 tensor whose last dim is a power of two, by halving."""
+    while acc.shape[-1] > 1:
+        half = acc.shape[-1] // 2
+        acc = acc[..., :half] + acc[..., half:]
+    return acc[..., 0]
+
+
+def _lanes_for(width: int, lanes: int) -> int:
+    return min(lanes, 1 << max(0, (width - 1).bit_length()))
+
+
+def _accumulate(rows: torch.Tensor, lanes: int, kind: str, other: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row of a 2-D tensor: the lanes' fp64 sums of its elements (kind _SUM), of their
+    squares (_SQUARES), or of their products with `other`'s (a dot product)."""
+    width = rows.shape[1]
+    acc = torch.zeros(rows.shape[0], _lanes_for(width, lanes), dtype=torch.float64)
+    step = acc.shape[1]
+    for j in range(0, width, step):
+        w = min(step, width - j)
+        piece = rows[:, j : j + w].double()
+        if other is not None:
+            piece.mul_(other[:, j : j + w])
+        elif kind == _SQUARES:
+            piece.square_()
+        acc[:, :w] += piece
+    return acc
+
+
+def _finish(total64: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    return (total64.sqrt() if kind == _SQUARES else total64).to(dtype)
+
+
+def _whole(flat: torch.Tensor, kind: str, other: torch.Tensor | None = None) -> torch.Tensor:
+    rows, others = flat.reshape(1, -1), None if other is None else other.reshape(1, -1)
+    return _finish(_tree(_accumulate(rows, LANES, kind, others))[0], kind, flat.dtype)
 
 
 def fixed_sum(flat: torch.Tensor) -> torch.Tensor:
-    """Sum of a 1-D tensor, as a 0-d tensor of its dtype."""
-    if flat.numel() <= GRAIN:
-        return flat.sum()
-    parts = np.array([float(c.sum()) for c in _chunks(flat)], dtype=np.float64)
-    return torch.tensor(parts.sum(), dtype=flat.dtype)
+    """Sum of a tensor's elements, as a 0-d tensor of its dtype."""
+    return _whole(flat, _SUM)
 
 
 def fixed_mean(flat: torch.Tensor) -> torch.Tensor:
-    """Mean of a 1-D tensor, as a 0-d tensor of its dtype."""
-    if flat.numel() <= GRAIN:
-        return flat.mean()
-    return fixed_sum(flat) / flat.numel()
+    """Mean of a tensor's elements (the fp64 sum over their count), as a 0-d tensor of its dtype."""
+    if flat.numel() == 0:
+        return torch.tensor(float("nan"), dtype=flat.dtype)
+    total = _tree(_accumulate(flat.reshape(1, -1), LANES, _SUM))[0]
+    return (total / flat.numel()).to(flat.dtype)
 
 
 def fixed_norm(flat: torch.Tensor) -> torch.Tensor:
-    """Euclidean norm of a 1-D tensor, as a 0-d tensor of its dtype."""
-    if flat.numel() <= GRAIN:
-        return torch.linalg.vector_norm(flat)
-    parts = np.array([float(torch.linalg.vector_norm(c)) for c in _chunks(flat)], dtype=np.float64)
-    return torch.tensor(np.sqrt(np.square(parts).sum()), dtype=flat.dtype)
+    """Euclidean norm of a tensor's elements, as a 0-d tensor of its dtype."""
+    return _whole(flat, _SQUARES)
 
 
 def fixed_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.dot of two 1-D tensors (BLAS's, as mergekit's karcher takes it), as a 0-d tensor of
-    their dtype."""
-    if a.numel() <= GRAIN:
-        return torch.dot(a, b)
-    parts = np.array([float(torch.dot(x, y)) for x, y in zip(_chunks(a), _chunks(b))], dtype=np.float64)
-    return torch.tensor(parts.sum(), dtype=a.dtype)
+    """Dot product of two tensors of one size (flattened), as a 0-d tensor of a's dtype."""
+    return _whole(a, _SUM, b)
 
 
-def _last_dim(x: torch.Tensor, fn_fixed, fn_torch) -> torch.Tensor:
-    """A reduction over the last dim, keepdim; one-output reductions go through `fn_fixed`."""
-    if x.dim() > 0 and x.shape[:-1].numel() == 1:  # (a 0-d tensor keeps its shape, as in torch)
-        return fn_fixed(x.reshape(-1)).reshape(*x.shape[:-1], 1)
-    return fn_torch(x)
+def _per_row(x: torch.Tensor, kind: str) -> torch.Tensor:
+    if x.dim() == 0:
+        return _whole(x, kind)
+    rows = x.reshape(-1, x.shape[-1]) if x.shape[-1] else x.new_zeros(x.shape[:-1].numel(), 1)
+    totals = _tree(_accumulate(rows, ROW_LANES, kind))
+    return _finish(totals, kind, x.dtype).reshape(*x.shape[:-1], 1)
 
 
 def norm_last(x: torch.Tensor) -> torch.Tensor:
-    return _last_dim(x, fixed_norm, lambda v: torch.norm(v, dim=-1, keepdim=True))
+    """Norm over the last dim, keepdim (a 0-d tensor keeps its shape, as in torch)."""
+    return _per_row(x, _SQUARES)
 
 
 def sum_last(x: torch.Tensor) -> torch.Tensor:
-    return _last_dim(x, fixed_sum, lambda v: torch.sum(v, dim=-1, keepdim=True))
+    """Sum over the last dim, keepdim (a 0-d tensor keeps its shape, as in torch)."""
+    return _per_row(x, _SUM)
+
+
+def sum_first(x: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Sum over the first dim (or of a list of tensors of one shape), in its order, in the
+    tensors' dtype: torch's dim-0 sum may regroup the terms; elementwise adds do not."""
+    terms = list(x.unbind(0)) if isinstance(x, torch.Tensor) else list(x)
+    total = terms[0].clone()
+    for t in terms[1:]:
+        total += t
+    return total
+
+
+def sum_scalars(values: Sequence[float]) -> float:
+    """Sum of a few numbers in order, each step rounded to fp32 (the weight sums mergekit takes
+    of an fp32 tensor of them)."""
+    return float(sum_first(torch.tensor([float(v) for v in values], dtype=torch.float32))) if values else 0.0
 
 
 class FixedReduction:
     """fixed_sum, or fixed_norm, of a flat tensor of n elements fed in pieces in flat order
-    (windows of a tensor too large to hold): equal to it on the whole tensor bit for bit. The
-    pieces are regrouped on the grain's chunk boundaries; a tensor within one grain is kept and
-    reduced whole at the end."""
+    (windows of a tensor too large to hold): equal to it on the whole tensor bit for bit, since
+    each element goes to the lane its flat position names, in the same order."""
 
     def __init__(self, n: int, norm: bool) -> None:
-        self.n, self.norm = n, norm
-        self._parts: list[float] = []
-        self._carry: list[torch.Tensor] = []
-        self._held = 0
-
-    def _chunk(self, c: torch.Tensor) -> None:
-        self._parts.append(float(torch.linalg.vector_norm(c) if self.norm else c.sum()))
+        self.n, self.kind = n, _SQUARES if norm else _SUM
+        self._acc = torch.zeros(_lanes_for(max(1, n), LANES), dtype=torch.float64)
+        self._at = 0
 
     def add(self, piece: torch.Tensor) -> None:
         flat = piece.reshape(-1)
-        if self.n <= GRAIN:
-            self._carry.append(flat.clone())
-            return
-        at = 0
-        if self._held:  # complete the chunk begun by earlier pieces
-            take = min(flat.numel(), GRAIN - self._held)
-            self._carry.append(flat[:take])
-            self._held += take
-            at = take
-            if self._held < GRAIN:
-                self._carry[-1] = self._carry[-1].clone()
-                return
-            self._chunk(torch.cat(self._carry))
-            self._carry, self._held = [], 0
-        whole = at + (flat.numel() - at) // GRAIN * GRAIN
-        for i in range(at, whole, GRAIN):
-            self._chunk(flat[i : i + GRAIN])
-        if whole < flat.numel():
-            self._carry, self._held = [flat[whole:].clone()], flat.numel() - whole
+        width, done = self._acc.numel(), 0
+        while done < flat.numel():
+            lane = self._at % width
+            take = min(width - lane, flat.numel() - done)
+            part = flat[done : done + take].double()
+            if self.kind == _SQUARES:
+                part.square_()
+            self._acc[lane : lane + take] += part
+            done, self._at = done + take, self._at + take
 
     def result(self) -> torch.Tensor:
         """The reduction as a 0-d fp32 tensor (the whole tensor's dtype)."""
-        if self.n <= GRAIN:
-            flat = torch.cat(self._carry) if self._carry else torch.empty(0)
-            return fixed_norm(flat) if self.norm else fixed_sum(flat)
-        if self._held:
-            self._chunk(torch.cat(self._carry))
-            self._carry, self._held = [], 0
-        parts = np.array(self._parts, dtype=np.float64)
-        total = np.sqrt(np.square(parts).sum()) if self.norm else parts.sum()
-        return torch.tensor(total, dtype=torch.float32)
+        return _finish(_tree(self._acc.reshape(1, -1))[0], self.kind, torch.float32)
+
+
+def fixed_scalar(fn, x: torch.Tensor) -> torch.Tensor:
+    """A function of math (acos, sin, cos) applied per element of a small tensor in fp64 and
+    rounded to its dtype: the C library's double functions are the same on every kernel set,
+    torch's vectorized ones are not. For scalars and per-row values, never a whole tensor."""
+    values = [fn(v) for v in x.double().reshape(-1).tolist()]
+    return torch.tensor(values, dtype=torch.float64).reshape(x.shape).to(x.dtype)

@@ -7,16 +7,16 @@ weights and added to the base. There are no user weights.
 Under a budget an omitted block is a zero delta there: it changes the variance ranking, the
 energy shares and the election, so no bound is claimed. Pairs are ranked by ω_k·‖Δ‖, ω_k the
 expert's energy share, which the planner computes from the catalog's block energies (no pass
-over the tensors). Per-expert
-mean squares go through `reductions` (torch's own below its parallel grain, so small tensors
-match mergekit bit for bit).
+over the tensors). Per-expert mean squares go through `reductions` and sums over the experts
+add in their order (`sum_first`), the variance in two passes: the same bits on every CPU,
+within a few ulps of mergekit's torch.var and sums.
 """
 
 from __future__ import annotations
 
 from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, ExpertSource, MergeParams, Operator, Parameter, TensorContext
-from mergepipe.operators.reductions import fixed_mean
+from mergepipe.operators.reductions import fixed_mean, sum_first
 
 
 def _fraction(v: float) -> None:
@@ -31,12 +31,14 @@ def variance_mask(deltas: torch.Tensor, share: float) -> torch.Tensor:
         return torch.zeros_like(deltas[0])
     if share >= 1 or deltas[0].numel() == 0:  # an empty tensor has nothing to choose from
         return torch.ones_like(deltas[0])
-    var = torch.var(deltas, dim=0, unbiased=False)
-    k = int(torch.count_nonzero(var) * share)
+    k = deltas.shape[0]
+    mean = sum_first(deltas) / k
+    var = sum_first((deltas - mean).square_()) / k  # biased, as torch.var(unbiased=False)
+    chosen = int(torch.count_nonzero(var) * share)
     mask = torch.zeros_like(var)
-    if k == 0:
+    if chosen == 0:
         return mask
-    _, indices = torch.topk(var.abs().view(-1), k=k, largest=True)
+    _, indices = torch.topk(var.abs().view(-1), k=chosen, largest=True)
     mask.view(-1)[indices] = 1
     return mask
 
@@ -45,7 +47,7 @@ def energy_weights(deltas: torch.Tensor) -> torch.Tensor:
     """Each expert's mean square delta over the sum of them (uniform where that sum is below 1e-6)."""
     squares = deltas.square().reshape(deltas.shape[0], -1)
     weights = torch.stack([fixed_mean(row) for row in squares])
-    total = torch.sum(weights).item()
+    total = sum_first(weights).item()
     if abs(total) < 1e-6:
         return torch.ones_like(weights) / weights.shape[0]
     return weights / total
@@ -69,11 +71,11 @@ class Sce(Operator):
         if params["select_topk"] < 1:
             deltas = deltas * variance_mask(deltas, params["select_topk"]).unsqueeze(0)
         # the "sum" election on the unweighted deltas: ties go to +, a zero delta never agrees
-        majority = (deltas.sum(dim=0) >= 0).to(deltas.dtype) * 2 - 1
+        majority = (sum_first(deltas) >= 0).to(deltas.dtype) * 2 - 1
         agree = deltas.sign() == majority
         weights = energy_weights(deltas)
         while weights.dim() < deltas.dim():
             weights = weights.unsqueeze(-1)
         kept = weights * agree
-        merged = (deltas * kept).sum(dim=0)
-        return base + merged / torch.sum(kept, dim=0).clamp(min=1e-6)
+        merged = sum_first(deltas * kept)
+        return base + merged / sum_first(kept).clamp(min=1e-6)

@@ -3,8 +3,9 @@
 Not additive in the delta: the angle couples every element of a tensor, so a block the plan
 leaves out (read as the base's values, a zero delta) shifts the whole tensor's result. Under a
 budget it is a heuristic without an error bound. Whole-tensor sums and norms go through
-`reductions`, so results do not depend on the thread count, and a tensor too large to hold is
-merged in three passes over windows of its rows with the same values.
+`reductions` and the angle's functions through the C library's (`fixed_scalar`), so results
+depend neither on the thread count nor on the CPU's float kernels, and a tensor too large to
+hold is merged in three passes over windows of its rows with the same values.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import math
 
 from mergepipe import torch
 from mergepipe.operators.base import INT8_MASK, ExpertSource, MergeParams, Operator, Parameter, TensorContext
-from mergepipe.operators.reductions import FixedReduction, fixed_norm, fixed_sum
+from mergepipe.operators.reductions import FixedReduction, fixed_norm, fixed_scalar, fixed_sum
 from mergepipe.operators.slabs import loaded_windows
 
 
@@ -38,10 +39,10 @@ def slerp_weights(t: float, dot: torch.Tensor, threshold: float) -> tuple[torch.
     tt = torch.tensor(t, dtype=torch.float32)
     dot = dot.clamp(-1, 1)
     near = dot.abs() > threshold
-    theta = torch.acos(torch.where(near, 0, dot))
-    sin_theta = torch.sin(theta)
-    ca = torch.where(near, 1 - tt, torch.sin((1 - tt) * theta) / sin_theta)
-    cb = torch.where(near, tt, torch.sin(tt * theta) / sin_theta)
+    theta = fixed_scalar(math.acos, torch.where(near, 0, dot))
+    sin_theta = fixed_scalar(math.sin, theta)
+    ca = torch.where(near, 1 - tt, fixed_scalar(math.sin, (1 - tt) * theta) / sin_theta)
+    cb = torch.where(near, tt, fixed_scalar(math.sin, tt * theta) / sin_theta)
     return ca, cb
 
 
