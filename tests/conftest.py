@@ -13,7 +13,8 @@ _SESSION_TMP = Path(tempfile.mkdtemp(prefix="mergepipe-tests-"))
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
 os.environ["MERGEPIPE_HOME"] = str(_SESSION_TMP / "mergepipe-home")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+# A server start that a loaded 2-core machine still makes (a deadline on its health check, not a sleep).
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "300")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
 # Flows run in process unless a test is about Prefect (the `prefect_flows` fixture): a flow run
@@ -55,7 +56,7 @@ def prefect_backend():
         return
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    with prefect_test_harness(server_startup_timeout=300):
         yield
 
 

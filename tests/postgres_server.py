@@ -44,7 +44,7 @@ class PostgresServer:
             shutil.chown(self.dir, "nobody")
         self._run("initdb", "-D", str(self.dir / "data"), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync")
         self._run(
-            "pg_ctl", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "-t", "60",
+            "pg_ctl", "-D", str(self.dir / "data"), "-l", str(self.dir / "log"), "-w", "-t", "300",
             "-o", f"-h 127.0.0.1 -p {self.port} -k {self.dir} -F -c max_connections=200", "start",
         )  # fmt: skip
         self._count = 0

@@ -24,7 +24,7 @@ def free_port() -> int:
 
 
 class PrefectServer:
-    def __init__(self, home: Path, startup_timeout: float = 180) -> None:
+    def __init__(self, home: Path, startup_timeout: float = 300) -> None:
         self.home = home
         home.mkdir(parents=True, exist_ok=True)
         self.port = free_port()

@@ -142,7 +142,7 @@ def test_console_script_bad_input_is_one_line_and_exit_2(tmp_path):
         capture_output=True,
         text=True,
         env=env,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 2
     assert "foo: unknown key" in proc.stderr and "Traceback" not in proc.stderr

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from mergepipe.flows.merge import merge
 from mergepipe.flows.sweep import budget_sweep
 from mergepipe.publish.manifest import verify_output
 
-from .helpers import config_for
+from .helpers import EVENT_S, START_S, config_for, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -123,9 +122,9 @@ def _run_merge_deployment(server, env, cfg: Path, out: Path, catalog: Path, depl
         f"catalog={catalog}",
         "--watch",
         "--watch-timeout",
-        "240",
+        str(START_S + EVENT_S),  # a worker (or serve) to take it up, then the merge
         env=env,
-        timeout=300,
+        timeout=START_S + EVENT_S + 60,
     )
 
 
@@ -173,11 +172,17 @@ def test_deploy_with_a_worker_then_serve(prefect_server, bf16_family, tmp_path):
     before = {name: _deployment(server, name) for name in ("merge/merge", "merge/merge-nightly")}
     served = server.start("mergepipe", "serve", env=env, log=tmp_path / "serve.log")
     try:
-        deadline = time.monotonic() + 180
-        while "being served" not in (tmp_path / "serve.log").read_text():
+
+        def serving() -> bool:
             assert served.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "mergepipe serve did not register its deployments"
-            time.sleep(0.5)
+            return "being served" in (tmp_path / "serve.log").read_text()
+
+        wait_until(
+            serving,
+            START_S,
+            "mergepipe serve to register its deployments",
+            lambda: (tmp_path / "serve.log").read_text()[-3000:],
+        )
         ran = _run_merge_deployment(server, env, cfg, tmp_path / "by-serve", catalog, "merge/merge-served")
         assert ran.returncode == 0, ran.stdout + ran.stderr + (tmp_path / "serve.log").read_text()[-3000:]
     finally:
@@ -213,13 +218,14 @@ def test_a_merge_run_shows_what_it_does_in_prefect(bf16_family, tmp_path, sessio
     run_id = UUID(got["flow_run_id"])
     with get_client(sync_client=True) as client:
         tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
-        deadline, lines = time.monotonic() + 30, []
-        while time.monotonic() < deadline:  # logs reach the API in batches
+        lines: list[str] = []
+
+        def logged() -> bool:  # logs reach the API in batches
             logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
-            lines = [log.message for log in logs]
-            if any(line.startswith("merge: ") and "(100%)" in line for line in lines):
-                break
-            time.sleep(0.5)
+            lines[:] = [log.message for log in logs]
+            return any(line.startswith("merge: ") and "(100%)" in line for line in lines)
+
+        wait_until(logged, EVENT_S, "the run's last progress line in its log", lambda: lines, every=0.5)
     names = sorted(t.name for t in tasks if t.name.startswith("merge-layer-group"))
     assert names and all(
         re.fullmatch(r"merge-layer-group\[(embeddings|layer\.\d{5}|other|[a-z_]+)\]", n) for n in names
@@ -240,11 +246,13 @@ def test_a_merge_run_shows_what_it_does_in_prefect(bf16_family, tmp_path, sessio
     again = merge(config=str(cfg), out=str(tmp_path / "again"), catalog=session_catalog)
     assert again["resumed_groups"] and again["digest"] == got["digest"]
     with get_client(sync_client=True) as client:
-        deadline, lines = time.monotonic() + 30, []
-        while time.monotonic() < deadline and not any(line.startswith("resuming: ") for line in lines):
-            time.sleep(0.5)
-            filt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(again["flow_run_id"])]))
-            lines = [log.message for log in client.read_logs(log_filter=filt)]
+        filt = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(again["flow_run_id"])]))
+
+        def resumed() -> bool:
+            lines[:] = [log.message for log in client.read_logs(log_filter=filt)]
+            return any(line.startswith("resuming: ") for line in lines)
+
+        wait_until(resumed, EVENT_S, "the resumed run's 'resuming:' line in its log", lambda: lines, every=0.5)
     assert any(line.startswith(f"resuming: {len(again['resumed_groups'])} of ") for line in lines), lines
 
 
@@ -285,10 +293,7 @@ def test_automations_run_a_crashed_merge_again_and_report_failures(
     assert made.output.count("automation in place") == 3
 
     def wait_for(check, what: str):
-        deadline = time.monotonic() + 90
-        while not check():
-            assert time.monotonic() < deadline, f"{what} never happened; webhook got {received}"
-            time.sleep(0.5)
+        wait_until(check, EVENT_S, what, lambda: f"webhook got {received}", every=0.5)
 
     try:
         cfg = config_for(tmp_path, bf16_family, "task_arithmetic")

@@ -28,7 +28,7 @@ from mergepipe.storage.ledger import ByteLedger
 from mergepipe.storage.model_files import MANIFEST_FILE
 from mergepipe.storage.reader import RangeReader, ReadRequest
 
-from .helpers import assert_bit_identical, saved_plan
+from .helpers import EVENT_S, assert_bit_identical, saved_plan, wait_until
 from .hub_server import TOKEN, HubServer
 from .reference import load_model
 
@@ -251,7 +251,6 @@ def test_the_token_is_nowhere_in_prefect_or_the_logs(prefect_flows, hub, family,
     server keeps of it (the flow run and its parameters, task runs, artifacts, the logs it has
     received), nor in any log record the process emitted, at DEBUG."""
     import logging
-    import time
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -263,6 +262,7 @@ def test_the_token_is_nowhere_in_prefect_or_the_logs(prefect_flows, hub, family,
         LogFilter,
         LogFilterFlowRunId,
     )
+    from prefect.client.schemas.sorting import LogSort
 
     runs_logger = logging.getLogger("prefect.flow_runs")
     request.addfinalizer(lambda level=runs_logger.level: runs_logger.setLevel(level))
@@ -298,8 +298,16 @@ def test_the_token_is_nowhere_in_prefect_or_the_logs(prefect_flows, hub, family,
             t.model_dump_json()
             for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
         ]
-        time.sleep(2)  # logs reach the API in batches
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+        only_this_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id]))
+
+        # Logs reach the API in batches: wait for the run's last one (the engine's "Finished in
+        # state …"), so every log the run sent is there to search.
+        def finished() -> bool:
+            last = client.read_logs(log_filter=only_this_run, sort=LogSort.TIMESTAMP_DESC, limit=20)
+            return any(log.message.startswith("Finished in state") for log in last)
+
+        wait_until(finished, EVENT_S, "the run's last log line to reach the API")
+        logs = client.read_logs(log_filter=only_this_run)
         kept += [log.model_dump_json() for log in logs]
         kept += [
             a.model_dump_json()

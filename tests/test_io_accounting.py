@@ -14,7 +14,7 @@ import pytest
 from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge
 
-from .helpers import config_for, evict, resident_bytes
+from .helpers import EVENT_S, config_for, evict, resident_bytes, wait_until
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -91,7 +91,6 @@ def test_physical_reads_follow_the_plan(bf16_family, tmp_path, session_catalog):
 def test_prefetch_reads_exactly_the_asked_pages(tmp_path):
     """The merge asks the kernel to read the next tensor's ranges ahead (POSIX_FADV_WILLNEED):
     it must bring in those pages and nothing around them, and count nothing in the ledger."""
-    import time
 
     from mergepipe.storage.reader import RangeReader, ReadRequest
 
@@ -104,9 +103,8 @@ def test_prefetch_reads_exactly_the_asked_pages(tmp_path):
     with RangeReader() as reader:
         reader.prefetch([ReadRequest(str(path), ranges, "expert", "expert-0", "data.bin")])
         assert reader.ledger.rows() == []
-    deadline = time.monotonic() + 10
-    while resident_bytes(path) < 5 * PAGE and time.monotonic() < deadline:
-        time.sleep(0.05)  # the kernel reads them in the background
+    # The kernel reads them in the background.
+    wait_until(lambda: resident_bytes(path) >= 5 * PAGE, EVENT_S, "the kernel to read the asked pages", every=0.05)
     assert resident_bytes(path) == 5 * PAGE
 
 

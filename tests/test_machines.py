@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from mergepipe.devtools.synthetic import FamilyPaths, make_family, write_config
 from mergepipe.flows.merge import merge
 from mergepipe.publish.manifest import verify_output
 
+from .helpers import START_S, wait_until
 from .test_s3 import BUCKET, keys_under, upload_folder
 
 pytestmark = pytest.mark.slow
@@ -126,11 +126,8 @@ def test_a_merge_killed_on_one_machine_is_finished_by_another(s3, s3_family, pg_
     assert a.left_behind() == b.left_behind() == []
 
 
-def _wait_for(path: Path, seconds: float = 60) -> None:
-    deadline = time.monotonic() + seconds
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.2)
+def _wait_for(path: Path, seconds: float = START_S) -> None:
+    wait_until(path.exists, seconds, f"{path} to appear")
 
 
 def test_dask_workers_of_their_own_write_their_groups_to_s3(s3, s3_family, pg_catalog, tmp_path, prefect_api_url):
@@ -190,8 +187,8 @@ def test_dask_workers_of_their_own_write_their_groups_to_s3(s3, s3_family, pg_ca
             )
         from distributed import Client
 
-        with Client(address, timeout=60) as client:
-            client.wait_for_workers(2, timeout=120)
+        with Client(address, timeout=START_S) as client:
+            client.wait_for_workers(2, timeout=START_S)  # two processes that import torch and Prefect
             worker_pids = set(client.run(os.getpid).values())
         got = flow.run(
             "merge", str(cfg), "--out", f"s3://{BUCKET}/machines/dask", "--runner", "dask", "--dask-address", address

@@ -15,7 +15,7 @@ import pytest
 
 from mergepipe.storage.lease import Holder, OutputBusy, OutputLease, lease_location
 
-from .helpers import config_for
+from .helpers import EVENT_S, config_for
 
 
 def _lease(out: str, owner: str, stale: float = 60) -> OutputLease:
@@ -103,7 +103,7 @@ def test_two_merges_at_once_to_one_output_one_publishes(bf16_family, tmp_path, s
 
     def held(*args, **kwargs):
         started.set()
-        go.wait(60)
+        go.wait(EVENT_S)  # the test lets it go once the second merge is refused
         return real(*args, **kwargs)
 
     monkeypatch.setattr(merge_tasks, "merge_group", held)
@@ -113,14 +113,14 @@ def test_two_merges_at_once_to_one_output_one_publishes(bf16_family, tmp_path, s
     )
     first.start()
     try:
-        assert started.wait(120)
+        assert started.wait(EVENT_S)
         with pytest.raises(
             OutputBusy, match=rf"{out}: another run is merging to this output .*process .*:{os.getpid()}:"
         ):
             merge(config=str(cfg), out=out, budget="60%", catalog=session_catalog)
     finally:
         go.set()
-        first.join(120)
+        first.join(EVENT_S)
     assert got["digest"] and not Path(lease_location(out)).exists()
     with db.connect(session_catalog, read_only=True) as con:
         rows = con.execute("SELECT merge_digest FROM runs WHERE out_uri = ?", [out]).fetchall()

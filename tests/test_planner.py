@@ -175,8 +175,9 @@ def test_catalog_writers_wait_for_the_lock_then_time_out_clearly(tmp_path):
     holder.wait(60)
     waiting.join(120)
     assert not waiting.is_alive() and counted == [(0,)]
-    hold = "import duckdb, sys, time; c = duckdb.connect(sys.argv[1]); print('held', flush=True); time.sleep(60)"
-    holder = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )  # it holds the lock until killed, however long the refusal takes to come
     try:
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(MergepipeError, match="locked by another process"):

@@ -365,7 +365,7 @@ def _cli_env(home: Path, **extra) -> dict:
         MERGEPIPE_HOME=str(home / "mergepipe-home"),
         PREFECT_HOME=str(home / "prefect-home"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="300",
         **extra,
     )
     env.pop("PREFECT_API_URL", None)

@@ -22,7 +22,7 @@ from mergepipe.flows.index_family import index_family
 from mergepipe.flows.merge import merge, plan
 from mergepipe.flows.replay import replay
 
-from .helpers import catalog_problems
+from .helpers import EVENT_S, catalog_problems, wait_until
 
 # -- the location, without a server ---------------------------------------------------------
 
@@ -294,18 +294,19 @@ def test_an_expert_another_client_indexes_is_waited_for_not_read(pg_catalog, tmp
     request = build_request(str(cfg), catalog=catalog)
     family, _ = index_tasks.read_family_headers.fn(input_views(request.spec))
     fps, bs = family.expert_fps(), request.spec.block_size_bytes
-    for _ in range(600):
+
+    def indexed():
         with db.connect(catalog, read_only=True) as con:
-            if db_indexed := index_tasks.ingest.indexed_experts(con, family.base_fp, fps, bs):
-                break
-        threading.Event().wait(0.05)
+            return index_tasks.ingest.indexed_experts(con, family.base_fp, fps, bs)
+
+    db_indexed = wait_until(indexed, EVENT_S, "the waiting client to index expert 1", every=0.05)
     assert db_indexed == {fps[1]} and waiting.is_alive()
     # The other client finishes expert 0; the waiting one then takes its statistics as they are.
     result, _ = index_tasks.compute_block_stats.fn(family, [0], bs)
     index_tasks.ingest_block_stats.fn(family, [0], bs, result, request.catalog)
     with db.connect(catalog) as con:
         claims.release(con, "elsewhere:1:live")
-    waiting.join(timeout=60)
+    waiting.join(timeout=EVENT_S)
     assert not waiting.is_alive()
     assert got["indexed_now"] == [str(fam.experts[1])] and got["already_indexed"] == [str(fam.experts[0])]
     assert got["bytes"]["expert"] == _expert_bytes(fam.experts[1])
