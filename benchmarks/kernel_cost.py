@@ -5,8 +5,8 @@ method, round by round, on one family with a warm page cache.
     .venv/bin/python benchmarks/llm_family.py --out /work/bench-data/mid --experts 3 --layers 8
     .venv/bin/python benchmarks/kernel_cost.py --family /work/bench-data/mid [--before REV] [--rounds 2]
 
-The earlier commit is checked out in a temporary git worktree and imported from there
-(PYTHONPATH), with the same venv. Each build has its own catalog, indexed before the first
+The earlier commit is checked out in a temporary git worktree and imported from there, with
+the same venv. Each build has its own catalog, indexed before the first
 timed merge. Printed per method: the flow's merge seconds (the `merge` timing: reading and
 merging the groups) of each build, the median over rounds, and the change. The outputs' digests
 are printed too: where a method's arithmetic changed, they differ between the builds.
@@ -43,10 +43,23 @@ def _config(path: Path, family: Path, method: str) -> Path:
     return path
 
 
+# The CLI, imported from a given tree: the venv's editable install puts a finder ahead of
+# PYTHONPATH, so it is taken out first (else every build would run the working tree's code).
+LAUNCH = """
+import runpy, sys
+tree = sys.argv.pop(1)
+sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in getattr(f, "__module__", "")]
+sys.path.insert(0, tree)
+import mergepipe
+assert mergepipe.__file__.startswith(tree), mergepipe.__file__
+runpy.run_module("mergepipe.cli", run_name="__main__", alter_sys=True)
+"""
+
+
 def _merge(tree: Path, cfg: Path, out: Path, catalog: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MERGEPIPE_ORCHESTRATION")}
-    env.update(PYTHONPATH=str(tree), PREFECT_SERVER_EPHEMERAL_ENABLED="false")
-    cmd = [sys.executable, "-m", "mergepipe.cli", "merge", str(cfg), "--out", str(out), "--overwrite"]
+    env.update(PREFECT_SERVER_EPHEMERAL_ENABLED="false")
+    cmd = [sys.executable, "-c", LAUNCH, str(tree), "merge", str(cfg), "--out", str(out), "--overwrite"]
     done = subprocess.run([*cmd, "--catalog", str(catalog), "--json"], env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"{tree}: {cfg.name}: {done.stderr[-2000:]}")

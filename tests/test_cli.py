@@ -45,7 +45,9 @@ def test_merge_json_contract_and_plan_explain(bf16_family, tmp_path, session_cat
         [
             "catalog",
             "sql",
-            f"SELECT expert_bytes_read, out_uri FROM merge_history WHERE merge_digest = '{result['digest']}'",
+            # (another test may have made the same merge, to the same digest, in the session's catalog)
+            f"SELECT expert_bytes_read, out_uri FROM merge_history WHERE merge_digest = '{result['digest']}'"
+            f" AND out_uri = '{result['out']}'",
             "--json",
             "--catalog",
             session_catalog,

@@ -43,6 +43,8 @@ def test_kernel_sets_start_with_the_plain_one_and_end_with_this_process():
 
 @pytest.mark.slow
 def test_every_method_gives_one_digest_under_every_kernel_set(tmp_path):
+    if len(kernel_sets()) < 2:
+        pytest.skip("this CPU offers torch one kernel set: nothing to compare")
     family = tmp_path / "family.json"
     family.write_text(json.dumps(_family(tmp_path / "fam")))
     runs = {}
@@ -62,7 +64,6 @@ def test_every_method_gives_one_digest_under_every_kernel_set(tmp_path):
         assert runs[kernels]["kernels"] == kernels
         # the small-memory cases did run over windows and in streamed runs
         assert runs[kernels]["forms"]["windowed"] > 0 and runs[kernels]["forms"]["streamed"] > 0
-    assert len(runs) >= 2, "this CPU offers one kernel set: nothing to compare"
     first, *others = runs.values()
     cases = first["digests"]
     assert len(cases) == 2 * 19 + 1 + 3
@@ -90,7 +91,8 @@ def test_dask_workers_under_different_kernel_sets_give_the_thread_runners_digest
     from .helpers import config_for
 
     plain, widest = kernel_sets()[0], kernel_sets()[-1]
-    assert plain != widest, "this CPU offers one kernel set: nothing to compare"
+    if plain == widest:
+        pytest.skip("this CPU offers torch one kernel set: nothing to compare")
     configs = [
         config_for(tmp_path, bf16_family, "linear", name="linear.yaml"),
         config_for(tmp_path, bf16_family, "ties", density=0.6, name="ties.yaml", budget="60%"),
