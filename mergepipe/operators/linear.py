@@ -54,9 +54,12 @@ class Linear(Operator):
         weights = iter(params["weight"])
         acc = torch.zeros_like(base)
         flat = acc.view(-1)
-        for k in order:  # one expert at a time, a step of elements at a time (a small product)
+        product = torch.empty(min(flat.numel(), PRODUCT_STEP), dtype=acc.dtype)  # reused: no new pages
+        for k in order:  # one expert at a time, a step of elements at a time
             w, x = (params.base_value("weight"), base) if k is None else (next(weights), experts[k])
             w, x = torch.tensor(w, dtype=acc.dtype), x.reshape(-1)
             for a in range(0, flat.numel(), PRODUCT_STEP):
-                flat[a : a + PRODUCT_STEP] += x[a : a + PRODUCT_STEP] * w
+                b = min(flat.numel(), a + PRODUCT_STEP)
+                torch.mul(x[a:b], w, out=product[: b - a])
+                flat[a:b] += product[: b - a]
         return acc / scalar_denominator(self._all_weights(params)) if params["normalize"] else acc

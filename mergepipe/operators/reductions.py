@@ -6,8 +6,8 @@ kernel set it dispatches to (8 floats with AVX2, 16 with AVX-512, others on ARM)
 bits change from machine to machine. Here every value is widened to fp64 (squares and products
 of two fp32 values are then exact) and added in an order fixed by position alone: element i goes
 to lane i mod L, each lane adds its elements in order, and the L lanes are combined by halving
-(lane j + lane j + L/2, ...). Each step is an elementwise fp64 add, which IEEE arithmetic
-rounds the same on every CPU. The result is rounded once to the input's dtype.
+(lane j plus lane j + L/2, again and again). Each step is an elementwise fp64 add, which IEEE
+arithmetic rounds the same on every CPU. The result is rounded once to the input's dtype.
 
 A whole tensor uses LANES lanes; a reduction per row (over the last dim) uses ROW_LANES.
 """
