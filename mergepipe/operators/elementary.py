@@ -1,12 +1,12 @@
-"""exp, log and softmax over whole tensors with the same bits on every CPU.
+"""exp, log and softmax of fp64 tensors with the same bits on every CPU.
 
 torch's vectorized exp and log come from different code per kernel set (SLEEF's for AVX2,
 AVX-512 and NEON, the C library's for the plain kernels), each within an ulp or so of the truth
 but not equal to one another. Here they are computed in fp64 from IEEE additions,
 multiplications and divisions alone (range reduction by powers of two, then a fixed
 polynomial, each step a separate elementwise operation so that nothing is fused), accurate to
-about an fp64 ulp, and rounded once to the input's dtype. Work goes a slab of SLAB elements at a
-time, so the fp64 temporaries stay small.
+about an fp64 ulp; callers round the result once to their dtype. They work a slab of SLAB
+elements at a time, so the fp64 temporaries stay small.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SLAB = 1 << 20
 # fdlibm's split of ln 2: k * LN2_HI is exact for |k| < 2**20.
 LN2_HI = 6.93147180369123816490e-01
 LN2_LO = 1.90821492927058770002e-10
-INV_LN2 = 1.0 / math.log(2.0)
+INV_LN2 = 1.4426950408889634  # 1 / ln 2, rounded to fp64
 EXP_TERMS = tuple(1.0 / math.factorial(n) for n in range(14))  # |r| <= ln2/2: error below 1e-17
 LOG_TERMS = tuple(1.0 / (2 * n + 1) for n in range(1, 11))  # 1/3 ... 1/21, for |s| <= 0.172
 EXP_MAX, EXP_MIN = 709.78, -745.2
@@ -71,33 +71,8 @@ def log64(x: torch.Tensor) -> torch.Tensor:
     return torch.where((x < 0) | torch.isnan(x), math.nan, out)
 
 
-def _by_slab(x: torch.Tensor, fn) -> torch.Tensor:
-    """fn over slabs of whole rows (the last dim) of x, into a tensor of x's dtype."""
-    out = torch.empty_like(x)
-    if x.numel() == 0:
-        return out
-    rows, src = out.reshape(-1, x.shape[-1] if x.dim() else 1), x.reshape(-1, x.shape[-1] if x.dim() else 1)
-    step = max(1, SLAB // max(1, rows.shape[1]))
-    for r in range(0, rows.shape[0], step):
-        rows[r : r + step] = fn(src[r : r + step].double())
-    return out
-
-
-def exp(x: torch.Tensor) -> torch.Tensor:
-    return _by_slab(x, exp64)
-
-
-def log(x: torch.Tensor) -> torch.Tensor:
-    return _by_slab(x, log64)
-
-
 def softmax64(x: torch.Tensor) -> torch.Tensor:
     """softmax over the last dim of an fp64 tensor, in fp64: exp(x - max) over its sum (summed as
     sum_last sums)."""
     e = exp64(x - x.amax(dim=-1, keepdim=True))
     return e / sum_last(e)
-
-
-def softmax_last(x: torch.Tensor) -> torch.Tensor:
-    """softmax over the last dim, rounded to x's dtype."""
-    return _by_slab(x, softmax64)
