@@ -17,27 +17,17 @@ from pathlib import Path
 
 import yaml
 
-# method: (per-model parameters, experts, shared parameters); every method mergepipe has.
+from tests.test_operator_pipeline import CASES as ADDED_FOR_MERGEKIT
+
+# method: (per-model parameters, experts, shared parameters); every method mergepipe has: the
+# original ones, those added for mergekit (as test_operator_pipeline merges them), passthrough.
 CASES = {
     "linear": ({}, 3, {}),
     "task_arithmetic": ({}, 3, {}),
     "ties": ({"density": 0.6}, 3, {}),
     "dare_linear": ({"density": 0.6}, 3, {}),
     "dare_ties": ({"density": 0.6}, 3, {}),
-    "breadcrumbs": ({"density": 0.8, "gamma": 0.05}, 3, {}),
-    "breadcrumbs_ties": ({"density": 0.8, "gamma": 0.05}, 3, {}),
-    "della": ({"density": 0.5, "epsilon": 0.1}, 3, {}),
-    "della_linear": ({"density": 0.5, "epsilon": 0.1}, 3, {}),
-    "model_stock": ({}, 3, {"filter_wise": True}),
-    "slerp": ({}, 1, {"t": 0.3}),
-    "nuslerp": ({}, 2, {"nuslerp_flatten": False}),
-    "nearswap": ({}, 1, {"t": 0.001}),
-    "ram": ({}, 3, {"epsilon": 0.001}),
-    "ramplus_tl": ({}, 3, {"r": 0.3, "alpha": 0.5}),
-    "karcher": ({}, 3, {}),
-    "multislerp": ({}, 3, {}),
-    "sce": ({}, 3, {"select_topk": 0.5}),
-    "arcee_fusion": ({}, 1, {}),
+    **ADDED_FOR_MERGEKIT,
     "passthrough": ({}, 0, {"scale": 0.5}),
 }
 BUDGETS = ("100%", "30%")
