@@ -394,6 +394,75 @@ def sweep(
 
 
 @app.command()
+def search(
+    config: str = typer.Argument(
+        ...,
+        help="The search config: a merge config with {search: [LOW, HIGH]} or {choice: [...]} values and a search: section.",
+    ),
+    out: str = typer.Option(..., "--out", help="Where the best candidate is published: a folder or s3:// prefix."),
+    trials: Optional[int] = typer.Option(None, "--trials", help="Trials in all (default: search.trials, else 50)."),
+    parallel: Optional[int] = typer.Option(
+        None, "--parallel", help="Trials at once (default: search.parallel, else 1); they share --memory."
+    ),
+    report: Optional[str] = typer.Option(
+        None, "--report", help="Folder for search.md, search.json, search.png (default: OUT-search beside a local OUT)."
+    ),
+    scratch: Optional[str] = typer.Option(
+        None, "--scratch", help="Local folder for candidates while they are evaluated (default: the temporary folder)."
+    ),
+    overwrite: bool = typer.Option(False, help="Replace an output already published at OUT."),
+    memory: Optional[str] = MemoryOpt,
+    catalog: Optional[str] = CatalogOpt,
+    runner: str = RunnerOpt,
+    dask_address: Optional[str] = DaskAddressOpt,
+    cache: Optional[str] = CacheOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Search a config's ranges and choices with budgeted trial merges scored by your evaluation;
+    merge the best again at the final budget and publish the winner. Run again to resume."""
+    _use_cache(cache)
+
+    def go() -> dict:
+        from mergepipe.config.request import check_runner
+        from mergepipe.config.search import load_search
+
+        check_runner(runner, dask_address)
+        load_search(config, trials=trials, parallel=parallel)  # bad ranges fail here, before any flow
+        from mergepipe.flows.orchestration import run_flow
+        from mergepipe.flows.search import merge_search
+
+        return run_flow(
+            merge_search,
+            config=str(config),
+            out=str(out),
+            trials=trials,
+            parallel=parallel,
+            report=report,
+            scratch=scratch,
+            overwrite=overwrite,
+            catalog=_catalog(catalog),
+            runner=runner,
+            dask_address=dask_address,
+            memory=memory,
+        )
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+        return
+    best = result["best"]
+    t = Table(title="merge search", show_header=False)
+    t.add_row("output", result["out"])
+    t.add_row("digest", result["digest"])
+    t.add_row("trials", f"{len(result['trials'])} ({sum(r['state'] != 'complete' for r in result['trials'])} failed)")
+    t.add_row("best trial", f"{best['trial']}: {json.dumps(best['params'], sort_keys=True)}")
+    t.add_row("score", f"{best['final_score']:.6g} at {best['final_budget']} ({best['score']:.6g} at {best['budget']})")
+    t.add_row("study", f"{result['search']} in {result['study_storage']}")
+    out_console.print(t)
+    out_console.print(f"report: {result['report']}/search.{{md,json,png}}", highlight=False)
+
+
+@app.command()
 def replay(
     manifest: str = typer.Argument(..., help="A manifest file, or the output folder (or s3:// prefix) holding it."),
     out: str = typer.Option(..., "--out", help="Output folder or s3:// prefix."),

@@ -97,6 +97,57 @@ def _insert_run(con: duckdb.DuckDBPyConnection, run: dict, manifest_json: str) -
     )
 
 
+TRIAL_SCHEMA = pa.schema(
+    [
+        ("search", pa.string()),
+        ("trial", pa.int32()),
+        ("final", pa.bool_()),
+        ("state", pa.string()),
+        ("params_json", pa.string()),
+        ("config_yaml", pa.string()),
+        ("plan_key", pa.string()),
+        ("budget", pa.string()),
+        ("budget_bytes", pa.int64()),
+        ("expert_bytes_read", pa.int64()),
+        ("input_bytes_read", pa.int64()),
+        ("cache_bytes", pa.int64()),
+        ("error_bound", pa.float64()),
+        ("score", pa.float64()),
+        ("metrics_json", pa.string()),
+        ("error", pa.string()),
+        ("merge_seconds", pa.float64()),
+        ("eval_seconds", pa.float64()),
+        ("merge_digest", pa.string()),
+        ("worker", pa.string()),
+        ("finished_at", pa.timestamp("us", tz="UTC")),
+    ]
+)
+
+
+TRIAL_COLUMNS = ", ".join(TRIAL_SCHEMA.names)
+
+
+def record_trial(con: duckdb.DuckDBPyConnection, row: dict) -> None:
+    """A search trial's row (a trial run again replaces its row)."""
+
+    def body() -> None:
+        con.execute(
+            "DELETE FROM search_trials WHERE search = ? AND trial = ? AND final = ?",
+            [row["search"], row["trial"], row["final"]],
+        )
+        con.execute(f"INSERT INTO search_trials ({TRIAL_COLUMNS}) SELECT {TRIAL_COLUMNS} FROM new_trial")
+
+    full = {name: row.get(name) for name in TRIAL_COLUMNS.split(", ")}  # a failed trial lacks some
+    write(con, body, new_trial=pa.Table.from_pylist([full], schema=TRIAL_SCHEMA))
+
+
+def search_trials(con: duckdb.DuckDBPyConnection, search: str) -> list[dict]:
+    """A search's rows, trials first, each in trial order."""
+    rel = con.execute(f"SELECT {TRIAL_COLUMNS} FROM search_trials WHERE search = ? ORDER BY final, trial", [search])
+    cols = [d[0] for d in rel.description]
+    return [dict(zip(cols, row)) for row in rel.fetchall()]
+
+
 @contextmanager
 def _described(where: CatalogLocation | str | Path) -> Iterator[duckdb.DuckDBPyConnection]:
     """A DuckDB file describes itself; a shared catalog is checked to exist and be reachable,

@@ -158,3 +158,30 @@ CREATE TABLE IF NOT EXISTS index_claims (
     heartbeat_at  TIMESTAMP NOT NULL,
     PRIMARY KEY (base_fp, expert_fp, block_size)
 );
+
+-- Every trial of a merge search (`mergepipe search`): the candidate, what its budgeted merge
+-- read, and its score; the final merges of the best trials at the final budget are rows too.
+CREATE TABLE IF NOT EXISTS search_trials (
+    search             VARCHAR NOT NULL,
+    trial              INTEGER NOT NULL,
+    final              BOOLEAN NOT NULL,
+    state              VARCHAR NOT NULL,
+    params_json        VARCHAR NOT NULL,
+    config_yaml        VARCHAR NOT NULL,
+    plan_key           VARCHAR,
+    budget             VARCHAR NOT NULL,
+    budget_bytes       BIGINT,
+    expert_bytes_read  BIGINT,
+    input_bytes_read   BIGINT,
+    cache_bytes        BIGINT,
+    error_bound        DOUBLE,
+    score              DOUBLE,
+    metrics_json       VARCHAR,
+    error              VARCHAR,
+    merge_seconds      DOUBLE,
+    eval_seconds       DOUBLE,
+    merge_digest       VARCHAR,
+    worker             VARCHAR,
+    finished_at        TIMESTAMP NOT NULL,
+    PRIMARY KEY (search, trial, final)
+);

@@ -56,6 +56,9 @@ class MergeRequest:
     out_as_given: str | None = None  # `out` before its templates ({date}, …) were filled in
     # Of a stage of a multi-document config: the earlier stages it reads, (name, output location).
     stage_inputs: tuple[tuple[str, str], ...] = ()
+    # Facts its caller records in the manifest's run beside the merge's own (a search's trial
+    # and scores), under their keys; outside the digest, like the rest of the run.
+    record: dict | None = None
 
     @property
     def options_from(self) -> str | None:
@@ -96,6 +99,7 @@ def build_request(
     model_card: bool = True,
     stage: str | None = None,
     intermediate_dir: str | None = None,
+    record: dict | None = None,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). The spec's storage options are set
@@ -153,4 +157,5 @@ def build_request(
         given,
         None if out is None else str(out),
         stage_inputs,
+        record or None,
     )

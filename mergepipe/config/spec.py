@@ -688,13 +688,15 @@ def load_spec(
     overrides: dict[str, Any] | None = None,
     stage: str | None = None,
     intermediate_dir: str | None = None,
+    document: dict | None = None,
 ) -> MergeSpec:
     """Read and validate a config, with `overrides` (command-line values such as the budget)
     replacing its keys first; relative model paths are taken relative to the config's folder.
     With `intermediate_dir`, the config may hold stages: `stage`'s document (None: the final
-    one), whose models named as stages are those stages' outputs there."""
+    one), whose models named as stages are those stages' outputs there. With `document`, that
+    document is validated as if it were the file at `path` (a search's candidate)."""
     path = str(path)
-    docs = read_documents(path)
+    docs = read_documents(path) if document is None else [document]
     data = _document(docs, path, stage, staged=intermediate_dir is not None)
     earlier: set[str] = set()
     if intermediate_dir is not None:

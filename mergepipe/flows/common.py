@@ -383,6 +383,8 @@ def execute_plan(ex: Execution) -> dict:
             ]
         if ex.first is not None:
             run["indexed_in_merge"] = indexed
+        for key, value in (request.record or {}).items():
+            run.setdefault(key, value)
         manifest, rows = run_task(
             publish_output, ex.saved_plan, staging, out, request.overwrite, output, run, ex.expected_digest
         )

@@ -111,6 +111,7 @@ def merge(
     model_card: bool = True,
     stage: str | None = None,
     intermediate_dir: str | None = None,
+    record: dict | None = None,
 ) -> dict:
     """Index what is missing, plan under the budget, merge layer group by layer group, publish
     the output with its manifest and model card, and record the run.
@@ -138,6 +139,8 @@ def merge(
         stage: Of a multi-document config, the stage to merge (none: the final one); its models
             named as stages are their outputs under intermediate_dir (flows.stages runs them all).
         intermediate_dir: Where a multi-document config's named stages are written.
+        record: Facts recorded in the manifest's run beside the merge's own, under their keys
+            (a merge search records its study, trial and scores so).
     """
     begin_attempt()
     t0 = time.perf_counter()
@@ -159,6 +162,7 @@ def merge(
         model_card=model_card,
         stage=stage,
         intermediate_dir=intermediate_dir,
+        record=record,
     )
     with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
         return _index_plan_and_merge(request, started, t0)

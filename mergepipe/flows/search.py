@@ -1,0 +1,501 @@
+"""Flow: a merge search. Many candidate configs, each a budgeted merge into a scratch folder
+scored by the user's evaluation, asked of and told to an Optuna study kept beside the catalog;
+then the best trials merged again at the final budget, the best of those published with its
+manifest, and a report of the whole search."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+import tempfile
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mergepipe.catalog import study as studies
+from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
+from mergepipe.config.search import SearchSpec, candidate_yaml, load_search
+from mergepipe.config.sizes import parse_size
+from mergepipe.config.spec import LORA_JOIN, MergeSpec
+from mergepipe.errors import BadInput, MergepipeError
+from mergepipe.flows.artifacts import create_table_artifact
+from mergepipe.flows.merge import merge
+from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
+from mergepipe.publish.manifest import load_manifest, verified_digest
+from mergepipe.publish.search_report import search_report, summary_rows
+from mergepipe.storage.lease import Holder, OutputBusy, OutputLease
+from mergepipe.storage.location import ContextPool, is_remote, join
+from mergepipe.storage.writer import check_destination, write_file
+from mergepipe.tasks import progress
+from mergepipe.tasks.heartbeat import beating
+from mergepipe.tasks.search import evaluate_candidate, read_trials, record_trial
+
+log = logging.getLogger("mergepipe.search")
+
+SEARCH_KEY = "merge-search"
+REPORT_FILES = ("search.md", "search.json", "search.png")
+BASE_SCORE = "base_score"  # the study's record of the evaluation of the base model
+POLL_S = 2.0  # how often a process waiting on others' trials looks again
+
+
+@dataclass
+class Search:
+    """One run of a search: what it searches, where, and its study."""
+
+    spec: SearchSpec
+    out: str
+    catalog: CatalogLocation
+    name: str
+    scratch: Path
+    runner: str
+    dask_address: str | None
+    memory: int  # the memory budget of the trials in flight, together
+    catalog_arg: str | None = None  # the catalog as given (a flow parameter never holds a password)
+    study: Any = field(repr=False, default=None)
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+@declare_flow("merge-search")
+def merge_search(
+    config: str,
+    out: str,
+    trials: int | None = None,
+    parallel: int | None = None,
+    report: str | None = None,
+    scratch: str | None = None,
+    overwrite: bool = False,
+    catalog: str | None = None,
+    runner: Literal["thread", "dask"] = "thread",
+    dask_address: str | None = None,
+    memory: str | None = None,
+) -> dict:
+    """Search a merge config's ranges and choices: each trial a merge at the search's budget
+    into a scratch folder, scored by its evaluation; the best trials merged again at the final
+    budget, and the best of those published to `out` with a manifest that records the search.
+    Running it again with the same config and `out` resumes the search.
+
+    Args:
+        config: The search config: a merge config (YAML in mergekit's shape) whose values may be
+            {search: [LOW, HIGH]} or {choice: [...]}, with a `search:` section.
+        out: Where the best candidate goes: a local folder or s3://bucket/prefix.
+        trials: How many trials in all (default: the config's search.trials, else 50).
+        parallel: Trials run at once (default: the config's search.parallel, else 1).
+        report: Folder for search.md, search.json and search.png (default: OUT-search beside
+            a local OUT, else ./mergepipe-search).
+        scratch: Local folder for the candidates while they are evaluated (default: the
+            machine's temporary folder).
+        overwrite: Replace an output already published at `out`.
+        catalog: The catalog (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb);
+            the search's Optuna study lives beside it.
+        runner: Where each merge's layer groups run: "thread" or "dask".
+        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
+        memory: Memory for the trials in flight, all together (default: half the machine's).
+    """
+    s = _open(config, out, trials, parallel, scratch, overwrite, catalog, runner, dask_address, memory)
+    rep = progress.reporter()
+    _check_base(s, rep)
+    _run_trials(s, rep)
+    result = _finish(s, overwrite, rep)
+    shutil.rmtree(s.scratch, ignore_errors=True)  # each candidate's folder went when it was scored
+    folder = Path(report) if report else default_report(s.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    title = f"search of {Path(str(config)).name}"
+    for name, data in search_report(result, title).items():
+        write_file(folder / name, data)
+    result["report"] = str(folder)
+    publish_artifact(
+        create_table_artifact,
+        key=SEARCH_KEY,
+        table=summary_rows(result),
+        description=f"merge search of {config} into {s.out}",
+    )
+    return result
+
+
+def default_report(out: str) -> Path:
+    """Beside a local output (never in it: its files are the manifest's), else here."""
+    return Path("mergepipe-search") if is_remote(out) else Path(out).with_name(Path(out).name + "-search")
+
+
+def _open(
+    config: str,
+    out: str,
+    trials: int | None,
+    parallel: int | None,
+    scratch: str | None,
+    overwrite: bool,
+    catalog: str | None,
+    runner: str,
+    dask_address: str | None,
+    memory: str | None,
+) -> Search:
+    spec = load_search(config, trials=trials, parallel=parallel)
+    first = spec.candidate_spec(spec.values_at({p.name: _first(p) for p in spec.params}))
+    destination = check_destination(out, True, first.model_uris)  # an existing one: refused at the end
+    location = catalog_location(catalog)
+    name = spec.study_name(destination)
+    root = Path(scratch).expanduser() if scratch else Path(tempfile.gettempdir()) / "mergepipe-search"
+    total_memory = parse_size(memory, key="--memory") if memory else (first.memory_bytes or default_memory())
+    s = Search(spec, destination, location, name, root / name, runner, dask_address, total_memory, catalog)
+    if not overwrite and verified_digest(destination) is not None and _searched_by(destination) != name:
+        raise BadInput(f"{destination}: an output is published there already (--overwrite replaces it)")
+    s.scratch.mkdir(parents=True, exist_ok=True)
+    s.study = studies.open_study(spec, location, name)
+    return s
+
+
+def _first(p) -> Any:
+    from mergepipe.config.search import Range
+
+    if isinstance(p.domain, Range):
+        return p.domain.low
+    return p.domain.options[0] if p.domain.primitive else 0
+
+
+def _searched_by(out: str) -> str | None:
+    try:
+        return (load_manifest(out)["run"].get("search") or {}).get("study")
+    except (BadInput, KeyError, TypeError, OSError):
+        return None
+
+
+# The base model, evaluated before the first trial ----------------------------------------------
+
+
+def _check_base(s: Search, rep) -> None:
+    """Run the evaluation on the base model once per study: an evaluation that fails there would
+    fail every trial, so the search stops (exit 2) with its message."""
+    if BASE_SCORE in s.study.user_attrs:
+        return
+    base = s.spec.candidate_spec(s.spec.values_at({p.name: _first(p) for p in s.spec.params})).base_model
+    rep.note(f"search {s.name}: checking the evaluation on the base model {base}")
+    where = s.scratch / "base"
+    if is_remote(base) or LORA_JOIN in base or not Path(base).is_dir():
+        # Not a local folder: the base as a merge that reads no expert writes one.
+        folder = str(where / "model")
+        _merge_candidate(s, _first_doc(s), "0%", folder, None, True)
+    else:
+        folder = base
+    score = run_task(evaluate_candidate, s.spec.settings.evaluate, folder, "base")
+    shutil.rmtree(where, ignore_errors=True)
+    if score["error"] is not None or score["score"] is None:
+        raise BadInput(f"search.evaluate: fails on the base model {base}: {score['error']}")
+    s.study.set_user_attr(BASE_SCORE, score["score"])
+    rep.note(f"base model: score {score['score']:.6g}")
+
+
+def _first_doc(s: Search) -> dict:
+    return s.spec.candidate(s.spec.values_at({p.name: _first(p) for p in s.spec.params}))
+
+
+# Trials ------------------------------------------------------------------------------------------
+
+
+def _memory_share(s: Search) -> str:
+    return f"{max(1, s.memory // s.spec.settings.parallel)}B"
+
+
+def _merge_candidate(
+    s: Search, doc: dict, budget: str, folder: str, record: dict | None, allow_empty: bool = False
+) -> dict:
+    """A candidate config merged into `folder` (replaced if there): its config file is written
+    beside it with every model location resolved, as the merge validates it."""
+    spec: MergeSpec = _validated(s, doc)
+    config = Path(folder).parent / "candidate.yml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    data = {**spec.recorded(), "storage_options": spec.storage_options}
+    config.touch(mode=0o600)  # it may hold the search config's storage options
+    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    return run_flow(
+        merge,
+        config=str(config),
+        out=folder,
+        budget=budget,
+        overwrite=True,
+        catalog=s.catalog_arg,
+        runner=s.runner,
+        dask_address=s.dask_address,
+        allow_empty=allow_empty,
+        memory=_memory_share(s),
+        model_card=False,
+        record=record,
+    )
+
+
+def _validated(s: Search, doc: dict) -> MergeSpec:
+    from mergepipe.config.search import load_spec_document
+
+    return load_spec_document(doc, s.spec.location)
+
+
+def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool) -> dict:
+    """One candidate: merged at `budget` into the scratch, evaluated, deleted; its row recorded
+    in the catalog. A merge or an evaluation that fails makes a failed row, never an error."""
+    values = s.spec.values_at(params)
+    doc = s.spec.candidate(values)
+    folder = s.scratch / f"{'final' if final else 'trial'}-{number}"
+    row: dict[str, Any] = {
+        "search": s.name,
+        "trial": number,
+        "final": final,
+        "state": "failed",
+        "params_json": json.dumps(values, sort_keys=True, default=str),
+        "config_yaml": candidate_yaml(doc),
+        "budget": budget,
+        "worker": studies.this_process(),
+    }
+    t0 = time.perf_counter()
+    try:
+        merged = _merge_candidate(s, doc, budget, str(folder / "model"), None)
+    except MergepipeError as err:  # a candidate that cannot merge (a bad combination, too little memory)
+        row.update(error=f"merge: {err}", merge_seconds=time.perf_counter() - t0)
+        return _recorded(s, row, folder)
+    by_role = merged.get("bytes", {})
+    row.update(
+        plan_key=merged["plan_key"],
+        budget_bytes=merged["budget_bytes"],
+        expert_bytes_read=merged["expert_bytes_read"],
+        cache_bytes=by_role.get("cache", 0),
+        input_bytes_read=sum(merged.get("index_bytes", {}).values())
+        + sum(by_role.get(r, 0) for r in ("base", "expert", "reread", "retry", "sidecar", "lora_base")),
+        error_bound=merged["error_bound"],
+        merge_digest=merged["digest"],
+        merge_seconds=time.perf_counter() - t0,
+    )
+    score = run_task(evaluate_candidate, s.spec.settings.evaluate, str(folder / "model"), f"{s.name}:{number}")
+    row.update(eval_seconds=score["seconds"], metrics_json=json.dumps(score["metrics"], sort_keys=True))
+    if score["error"] is not None or score["score"] is None or not math.isfinite(score["score"]):
+        row["error"] = f"evaluate: {score['error'] or 'no score'}"
+    else:
+        row.update(state="complete", score=float(score["score"]))
+    return _recorded(s, row, folder)
+
+
+def _recorded(s: Search, row: dict, folder: Path) -> dict:
+    shutil.rmtree(folder, ignore_errors=True)
+    row["finished_at"] = _now()
+    run_task(record_trial, s.catalog, row)
+    return row
+
+
+def _run_trials(s: Search, rep) -> None:
+    """Ask the study for trials while fewer than the total have been asked for (by any process),
+    `parallel` at a time, and tell it each result; then wait for the other processes' trials."""
+    from optuna.trial import TrialState
+
+    settings, study = s.spec.settings, s.study
+    total, parallel = settings.trials, settings.parallel
+    if settings.sampler == "grid":
+        total = min(total, studies.grid_size(s.spec))  # each point once
+    inflight: dict[Future, Any] = {}
+    stats = {"done": 0, "failed": 0, "bytes": 0}
+    rep.start("trials", total, "trials")
+    rep.advance("trials", sum(1 for t in studies.counted(study) if t.state.is_finished()))
+
+    def beat() -> None:
+        for trial in list(inflight.values()):
+            trial.set_user_attr(studies.HEARTBEAT, time.time())
+
+    try:
+        with ContextPool(parallel, thread_name_prefix="trial") as pool, beating(beat, studies.HEARTBEAT_S, "trial"):
+            while True:
+                requeued = studies.requeue_stale(study)
+                if requeued:
+                    rep.note(f"trials {requeued}: left running by a process that died; running them again")
+                while len(inflight) < parallel and _may_ask(study, total):
+                    trial = study.ask()
+                    if not studies.claim(study, trial, total):
+                        break
+                    params = studies.suggest(trial, s.spec)
+                    inflight[pool.submit(run_candidate, s, trial.number, params, settings.budget, False)] = trial
+                if not inflight:
+                    running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
+                    if not running:
+                        break
+                    time.sleep(POLL_S)  # another process's trials: their results are part of this search
+                    continue
+                finished, _ = wait(list(inflight), timeout=POLL_S * 5, return_when=FIRST_COMPLETED)
+                for f in finished:
+                    trial = inflight.pop(f)
+                    row = f.result()
+                    _tell(study, trial, row)
+                    stats["done"] += 1
+                    stats["failed"] += row["state"] != "complete"
+                    stats["bytes"] += row.get("expert_bytes_read") or 0
+                    rep.advance("trials", 1)
+                    rep.note(_progress_line(s, row, stats))
+    finally:
+        rep.finish("trials")
+
+
+def _may_ask(study: Any, total: int) -> bool:
+    """Whether a trial is there to run: one queued again, or fewer asked for than the total."""
+    from optuna.trial import TrialState
+
+    counted = studies.counted(study)
+    return any(t.state == TrialState.WAITING for t in counted) or len(counted) < total
+
+
+def _tell(study: Any, trial: Any, row: dict) -> None:
+    from optuna.trial import TrialState
+
+    for key in ("expert_bytes_read", "budget_bytes", "error_bound", "merge_seconds", "eval_seconds"):
+        if row.get(key) is not None:
+            trial.set_user_attr(key, row[key])
+    if row["state"] != "complete":
+        trial.set_user_attr("error", (row.get("error") or "")[-2000:])
+    try:
+        if row["state"] == "complete":
+            study.tell(trial, row["score"])
+        else:
+            study.tell(trial, state=TrialState.FAIL)
+    except RuntimeError as err:
+        # The grid sampler stops an optimize loop once its grid is done; there is none here
+        # (the total was capped at the grid's size), and the trial's result is stored first.
+        if "Study.stop" not in str(err):
+            raise
+
+
+def _progress_line(s: Search, row: dict, stats: dict) -> str:
+    best = _best(s.study)
+    what = f"score {row['score']:.6g}" if row["state"] == "complete" else f"failed ({row.get('error', '')[:200]})"
+    return (
+        f"trial {row['trial']}: {what}; {stats['done']} done here, {stats['failed']} failed; best so far "
+        f"{'–' if best is None else f'{best.value:.6g} (trial {best.number})'}; "
+        f"{stats['bytes'] / 2**20:,.1f} MiB of expert bytes read"
+    )
+
+
+def _best(study: Any) -> Any:
+    try:
+        return study.best_trial
+    except ValueError:  # no trial completed yet
+        return None
+
+
+# Final merges, the published output -------------------------------------------------------------
+
+
+def _finish(s: Search, overwrite: bool, rep) -> dict:
+    """Merge the top_k trials again at the final budget, evaluate them, and publish the best to
+    `out`; one process does it while others wait (the lease beside the output's), and those
+    find it done."""
+    lease = OutputLease(f"{s.out}.search", Holder(f"{studies.this_process()}:search", None, time.time()), 600.0)
+    while True:
+        try:
+            lease.acquire()
+            break
+        except OutputBusy:
+            time.sleep(POLL_S)
+    try:
+        with beating(lease.beat, 60.0, "search-lease"):
+            return _finals(s, overwrite, rep)
+    finally:
+        lease.release()
+
+
+def _finals(s: Search, overwrite: bool, rep) -> dict:
+    settings = s.spec.settings
+    rows = run_task(read_trials, s.catalog, s.name)
+    trials = [r for r in rows if not r["final"]]
+    complete = [r for r in trials if r["state"] == "complete"]
+    if not complete:
+        first = next((r["error"] for r in trials if r.get("error")), "no trial ran")
+        raise MergepipeError(f"search {s.name}: no trial completed; the first error: {first}")
+    reverse = settings.direction == "maximize"
+    top = sorted(complete, key=lambda r: (r["score"], r["trial"]), reverse=reverse)
+    top = sorted(top[: settings.top_k], key=lambda r: (-r["score"] if reverse else r["score"], r["trial"]))
+    finals = {r["trial"]: r for r in rows if r["final"]}
+    rep.start("final", len(top), "merges")
+    try:
+        for r in top:
+            if r["trial"] not in finals:
+                params = s.study.trials[r["trial"]].params
+                finals[r["trial"]] = run_candidate(s, r["trial"], params, settings.final_budget, True)
+            rep.advance("final", 1)
+    finally:
+        rep.finish("final")
+    ok = [finals[r["trial"]] for r in top if finals[r["trial"]]["state"] == "complete"]
+    if not ok:
+        raise MergepipeError(
+            f"search {s.name}: every final merge failed; the first: {finals[top[0]['trial']]['error']}"
+        )
+    best = sorted(ok, key=lambda r: (-r["score"] if reverse else r["score"], r["trial"]))[0]
+    budgeted = next(r for r in trials if r["trial"] == best["trial"])
+    record = {
+        "search": {
+            "study": s.name,
+            "config": s.spec.location,
+            "trial": best["trial"],
+            "params": json.loads(best["params_json"]),
+            "budget": settings.budget,
+            "final_budget": settings.final_budget,
+            "score": budgeted["score"],
+            "final_score": best["score"],
+            "direction": settings.direction,
+            "trials": len(trials),
+        }
+    }
+    published = verified_digest(s.out)
+    if published is not None and _searched_by(s.out) == s.name and published == best["merge_digest"]:
+        merged = {"digest": published, "out": s.out, "manifest": join(s.out, "manifest.json")}
+    else:
+        params = s.study.trials[best["trial"]].params
+        rep.note(f"publishing trial {best['trial']} (final score {best['score']:.6g}) to {s.out}")
+        merged = _publish(s, params, record, overwrite or published is not None and _searched_by(s.out) == s.name)
+    rows = run_task(read_trials, s.catalog, s.name)
+    return {
+        "search": s.name,
+        "study_storage": studies.journal_of(s.catalog),
+        "out": s.out,
+        "digest": merged["digest"],
+        "manifest": merged["manifest"],
+        "best": record["search"],
+        "base_score": s.study.user_attrs.get(BASE_SCORE),
+        "direction": settings.direction,
+        "sampler": settings.sampler,
+        "budget": settings.budget,
+        "final_budget": settings.final_budget,
+        "top_k": settings.top_k,
+        "trials": [_plain(r) for r in rows if not r["final"]],
+        "finals": [_plain(r) for r in rows if r["final"]],
+    }
+
+
+def _publish(s: Search, params: dict, record: dict, overwrite: bool) -> dict:
+    doc = s.spec.candidate(s.spec.values_at(params))
+    spec = _validated(s, doc)
+    config = s.scratch / "published.yml"
+    config.touch(mode=0o600)
+    config.write_text(yaml.safe_dump({**spec.recorded(), "storage_options": spec.storage_options}, sort_keys=False))
+    return run_flow(
+        merge,
+        config=str(config),
+        out=s.out,
+        budget=s.spec.settings.final_budget,
+        overwrite=overwrite,
+        catalog=s.catalog_arg,
+        runner=s.runner,
+        dask_address=s.dask_address,
+        memory=f"{s.memory}B",
+        record=record,
+    )
+
+
+def _plain(row: dict) -> dict:
+    out = dict(row)
+    out["params"] = json.loads(out.pop("params_json"))
+    out["metrics"] = json.loads(out.pop("metrics_json") or "{}")
+    out.pop("config_yaml", None)
+    out["finished_at"] = out["finished_at"].isoformat() if out.get("finished_at") else None
+    return out

@@ -1,0 +1,266 @@
+"""Merge search (`mergepipe search`): trials scored by a command, failures recorded, the best
+merged again and published with its record, bad ranges refused before any merge, a killed
+search resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import duckdb
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from mergepipe.cli import app
+from mergepipe.config.search import load_search
+from mergepipe.devtools.synthetic import make_family
+from mergepipe.errors import BadInput
+from mergepipe.publish.manifest import load_manifest, verify_output
+
+from .helpers import EVENT_S, wait_until
+
+runner = CliRunner()
+
+# Scores a candidate by its distance to the first expert (lower is better); appends each folder
+# it scores to LOG; fails (exit 1, a message on stderr) for the trial folders named in FAIL.
+SCORER = textwrap.dedent(
+    """
+    import json, os, sys
+    from pathlib import Path
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    model, target = Path(sys.argv[1]), Path(sys.argv[2])
+    with open(os.environ["SCORER_LOG"], "a") as f:
+        f.write(str(model) + "\\n")
+    for bad in filter(None, os.environ.get("SCORER_FAIL", "").split(",")):
+        if f"/{bad}/" in str(model) + "/":
+            print(f"refusing {bad}: synthetic failure", file=sys.stderr)
+            sys.exit(1)
+
+    def load(folder):
+        out = {}
+        for p in sorted(folder.glob("*.safetensors")):
+            out.update(load_file(str(p)))
+        return out
+
+    a, b = load(model), load(target)
+    d = sum(float(np.sum((a[k].astype(np.float64) - b[k].astype(np.float64)) ** 2)) for k in b)
+    print("scored", file=sys.stderr)
+    print(json.dumps({"score": d ** 0.5, "tensors": len(a)}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory):
+    root = tmp_path_factory.mktemp("search-family")
+    fam = make_family(
+        root, experts=("dense", "dense"), n_layers=2, hidden=32, intermediate=64, vocab=64, dtype="float32", shards=1
+    )
+    scorer = root / "scorer.py"
+    scorer.write_text(SCORER)
+    return fam, scorer
+
+
+def search_config(path: Path, family, *, trials=6, sampler="random", **search) -> Path:
+    fam, scorer = family
+    cfg = {
+        "merge_method": "task_arithmetic",
+        "base_model": str(fam.base),
+        "block_size": "4KiB",
+        "models": [{"model": str(e), "parameters": {"weight": {"search": [0.0, 1.0]}}} for e in fam.experts],
+        "search": {
+            "trials": trials,
+            "budget": "50%",
+            "top_k": 2,
+            "sampler": sampler,
+            "seed": 3,
+            "evaluate": {"command": f"{sys.executable} {scorer} {{model}} {fam.experts[0]}", "timeout": 300},
+            **search,
+        },
+    }
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_search(cfg: Path, out: Path, catalog: Path, *args: str):
+    return runner.invoke(app, ["search", str(cfg), "--out", str(out), "--catalog", str(catalog), "--json", *args])
+
+
+def rows(catalog: Path, query: str) -> list[tuple]:
+    with duckdb.connect(str(catalog), read_only=True) as con:
+        return con.execute(query).fetchall()
+
+
+def test_search_scores_trials_and_publishes_the_best(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
+    monkeypatch.setenv("SCORER_FAIL", "trial-2")  # one trial's evaluation fails: the search goes on
+    cfg, out, catalog = search_config(tmp_path / "s.yml", family), tmp_path / "best", tmp_path / "c.duckdb"
+    r = run_search(cfg, out, catalog, "--scratch", str(tmp_path / "scratch"))
+    assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+
+    trials, finals = result["trials"], result["finals"]
+    assert sorted(t["trial"] for t in trials) == list(range(6))
+    failed = [t for t in trials if t["state"] != "complete"]
+    assert [t["trial"] for t in failed] == [2]
+    assert "exit" in failed[0]["error"] and "synthetic failure" in failed[0]["error"]
+    for t in trials:
+        if t["state"] == "complete":
+            assert 0 < t["expert_bytes_read"] <= t["budget_bytes"] < 2 * t["expert_bytes_read"] + 8192
+    # The top 2 by budgeted score were merged again at 100%, and the better of those published.
+    done = sorted((t for t in trials if t["state"] == "complete"), key=lambda t: (t["score"], t["trial"]))
+    assert sorted(f["trial"] for f in finals) == sorted(t["trial"] for t in done[:2])
+    best = min(finals, key=lambda f: (f["score"], f["trial"]))
+    assert result["best"]["trial"] == best["trial"] and result["best"]["final_score"] == best["score"]
+    read = {t["trial"]: t["expert_bytes_read"] for t in trials}
+    assert all(read[f["trial"]] < f["expert_bytes_read"] <= f["budget_bytes"] for f in finals)
+
+    check = verify_output(out)
+    assert check.ok and check.digest == result["digest"] == best["merge_digest"]
+    recorded = load_manifest(out)["run"]["search"]
+    assert recorded["study"] == result["search"] and recorded["trial"] == best["trial"]
+    assert recorded["score"] == next(t["score"] for t in trials if t["trial"] == best["trial"])
+    assert recorded["final_score"] == best["score"]
+
+    # The catalog holds every trial and final, readable with `catalog sql`; scratch is empty.
+    assert rows(catalog, "SELECT final, count(*) FROM search_trials GROUP BY final ORDER BY final") == [
+        (False, 6),
+        (True, 2),
+    ]
+    q = runner.invoke(app, ["catalog", "sql", "SELECT trial, state FROM search_trials", "--catalog", str(catalog)])
+    assert q.exit_code == 0 and "failed" in q.stdout
+    schema = runner.invoke(app, ["catalog", "schema", "--catalog", str(catalog), "--json"])
+    assert "search_trials" in schema.stdout
+    assert not (tmp_path / "scratch" / result["search"]).exists()
+
+    report = Path(result["report"])
+    assert report == tmp_path / "best-search"
+    data = json.loads((report / "search.json").read_text())
+    assert data["agreement"]["trials_compared"] == sorted(f["trial"] for f in finals)
+    assert (report / "search.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "Rank agreement" in (report / "search.md").read_text()
+
+    # The same command again: the study is complete and the output published; nothing is merged.
+    again = run_search(cfg, out, catalog, "--scratch", str(tmp_path / "scratch"))
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout)["digest"] == result["digest"]
+    assert rows(catalog, "SELECT count(*) FROM search_trials") == [(8,)]
+
+
+def test_a_command_failing_on_the_base_stops_the_search(family, tmp_path, monkeypatch):
+    monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
+    cfg = search_config(tmp_path / "s.yml", family)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["search"]["evaluate"] = {"command": f"{sys.executable} -c 'import sys; sys.exit(\"no such metric\")' {{model}}"}
+    cfg.write_text(yaml.safe_dump(doc))
+    catalog = tmp_path / "c.duckdb"
+    r = run_search(cfg, tmp_path / "best", catalog)
+    assert r.exit_code == 2, r.output
+    assert "base model" in r.output and "no such metric" in r.output
+    assert not (tmp_path / "best").exists()
+    assert rows(catalog, "SELECT count(*) FROM runs") == [(0,)] if catalog.exists() else True
+
+
+BAD = [
+    (
+        {"models[0]": {"weight": {"search": [0.9, 0.1]}}},
+        "models[0].parameters.weight: search: low 0.9 is above high 0.1",
+    ),
+    ({"models[0]": {"weight": {"choice": []}}}, "models[0].parameters.weight: choice: give a non-empty list"),
+    (
+        {"top": {"merge_method": "linear", "parameters": {"density": {"search": [0.1, 0.9]}}}},
+        "parameters.density: not a parameter of merge_method 'linear'",
+    ),
+    ({"top": {"dtype": {"search": [1, 2]}}}, "dtype: a range is for a numeric merge parameter"),
+    (
+        {"top": {"parameters": {"normalize": {"search": [0, 1]}}}},
+        "parameters.normalize: normalize of task_arithmetic is not numeric",
+    ),
+    ({"models[0]": {"weight": {"search": [0.1, 0.9], "log": True, "step": 0.1}}}, "log and step: give one"),
+    ({"models[0]": {"weight": {"search": [0.0, 0.9], "log": True}}}, "log: true needs a low above 0"),
+    ({"search": {"sampler": "grid"}}, "sampler grid needs a step on every range"),
+    ({"search": {"sampler": "anneal"}}, "search.sampler: unknown 'anneal'"),
+    ({"search": {"trails": 5}}, "search.trails: unknown key"),
+    ({"search": {"evaluate": {"command": "score.sh"}}}, "name the candidate's folder as {model}"),
+    ({"top": {"merge_method": {"choice": ["task_arithmetic", "slerp"]}}}, "merge_method = 'slerp'"),
+]
+
+
+@pytest.mark.parametrize("change,message", BAD, ids=[m[:40] for _, m in BAD])
+def test_bad_ranges_and_choices_are_refused_before_any_merge(family, tmp_path, change, message):
+    cfg = search_config(tmp_path / "s.yml", family)
+    doc = yaml.safe_load(cfg.read_text())
+    for where, value in change.items():
+        if where == "search":
+            doc["search"].update(value)
+        elif where == "top":
+            doc.update(value)
+        else:
+            doc["models"][int(where[-2])]["parameters"].update(value)
+    cfg.write_text(yaml.safe_dump(doc))
+    with pytest.raises(BadInput) as err:
+        load_search(cfg)
+    assert message in str(err.value) and str(cfg) in str(err.value)
+
+
+def test_bad_ranges_exit_2_naming_the_key(family, tmp_path):
+    cfg = search_config(tmp_path / "s.yml", family)
+    doc = yaml.safe_load(cfg.read_text())
+    doc["models"][1]["parameters"]["weight"] = {"search": [1, 0]}
+    cfg.write_text(yaml.safe_dump(doc))
+    r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb")
+    assert r.exit_code == 2 and "models[1].parameters.weight" in r.output
+    assert not (tmp_path / "c.duckdb").exists() and not (tmp_path / "best").exists()
+
+
+def test_choices_and_grid_cover_the_space(family, tmp_path, monkeypatch):
+    """A grid over a stepped range and a choice of method runs each point once."""
+    monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
+    cfg = search_config(tmp_path / "s.yml", family, trials=4, sampler="grid")
+    doc = yaml.safe_load(cfg.read_text())
+    doc["merge_method"] = {"choice": ["task_arithmetic", "linear"]}
+    doc["models"][0]["parameters"]["weight"] = {"search": [0.25, 0.75], "step": 0.5}
+    doc["models"][1]["parameters"]["weight"] = 0.5
+    cfg.write_text(yaml.safe_dump(doc))
+    r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb")
+    assert r.exit_code == 0, r.output
+    seen = {
+        (t["params"]["merge_method"], t["params"]["models[0].parameters.weight"])
+        for t in json.loads(r.stdout)["trials"]
+    }
+    assert seen == {(m, w) for m in ("task_arithmetic", "linear") for w in (0.25, 0.75)}
+
+
+@pytest.mark.slow
+def test_a_killed_search_resumes_with_its_finished_trials(family, tmp_path):
+    """SIGKILLed after some trials, run again: the finished trials are kept, the one that was
+    running is run again, the total is `trials`, and the published output verifies."""
+    log = tmp_path / "scored.log"
+    cfg = search_config(tmp_path / "s.yml", family, trials=6)
+    out, catalog = tmp_path / "best", tmp_path / "c.duckdb"
+    env = {**os.environ, "SCORER_LOG": str(log), "MERGEPIPE_ORCHESTRATION": "local"}
+    cmd = [sys.executable, "-m", "mergepipe.cli", "search", str(cfg), "--out", str(out), "--catalog", str(catalog)]
+    proc = subprocess.Popen(cmd + ["--json"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # The base's evaluation and three trials' scored: the fourth trial is on its way.
+        wait_until(lambda: log.exists() and len(log.read_text().splitlines()) >= 4, EVENT_S, "three trials scored")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    first = rows(catalog, "SELECT trial FROM search_trials WHERE NOT final ORDER BY trial")
+    assert len(first) >= 3
+    again = subprocess.run(cmd + ["--json"], env=env, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    result = json.loads(again.stdout)
+    recorded = rows(catalog, "SELECT trial FROM search_trials WHERE NOT final ORDER BY trial")
+    assert len(recorded) == len(result["trials"]) == 6
+    assert set(first) <= set(recorded)  # the finished trials were kept, not run again
+    assert verify_output(out).ok
