@@ -13,6 +13,7 @@ import yaml
 from mergepipe.flows.automations import LOST_NAME, NOTIFY_NAME, RETRY_NAME
 from mergepipe.flows.deployments import DEPLOYMENTS, RUN_ENV, WORK_POOL, load_flow
 from mergepipe.flows.merge import merge
+from mergepipe.flows.search import merge_search
 from mergepipe.flows.sweep import budget_sweep
 from mergepipe.publish.manifest import verify_output
 
@@ -50,7 +51,7 @@ def test_each_flow_is_found_where_its_deployment_entrypoint_points():
     from mergepipe.flows.replay import replay
     from mergepipe.flows.stages import merge_stages
 
-    for declared in (index_family, plan, merge, budget_sweep, replay, merge_stages):
+    for declared in (index_family, plan, merge, budget_sweep, replay, merge_stages, merge_search):
         assert isinstance(declared, DeclaredFlow)
         flow = declared.prefect
         assert load_flow_from_entrypoint(f"{flow.__module__}.{flow.__name__}") is flow

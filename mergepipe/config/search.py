@@ -8,7 +8,7 @@ import copy
 import hashlib
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -338,6 +338,15 @@ def _corners(params: tuple[SearchParam, ...]) -> list[tuple[str, dict[str, Any]]
     return out
 
 
+def _beside(path: str, location: str) -> str:
+    if is_remote(location) and not Path(path).is_absolute():
+        from mergepipe.storage.location import join, split
+
+        return join(split(location)[0], path)
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (Path(location).resolve().parent / p).resolve())
+
+
 def _parameter_name(path: Path_) -> str | None:
     """The merge parameter a place under `parameters` sets (a gradient's entry or a filter's
     value sets the parameter it lies under)."""
@@ -371,6 +380,10 @@ def load_search(location: str | Path, *, trials: int | None = None, parallel: in
     if SECTION not in doc:
         raise BadInput(f"{location}: {SECTION}: required (the search's trials, budget and evaluate)")
     settings = _settings(doc.pop(SECTION), location, trials, parallel)
+    if isinstance(settings.evaluate, PerplexityEvaluation) and not is_remote(settings.evaluate.data):
+        # a relative data file lies beside the config, as relative models do
+        data = _beside(settings.evaluate.data, location)
+        settings = replace(settings, evaluate=replace(settings.evaluate, data=data))
     if "budget" in doc or "max_error" in doc:
         key = "budget" if "budget" in doc else "max_error"
         raise BadInput(f"{location}: {key}: a search's trials read search.budget (final merges search.final_budget)")

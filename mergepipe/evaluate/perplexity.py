@@ -148,6 +148,7 @@ def _kind(config) -> str:
 def _load(transformers, model_dir: str):
     """The model in eval mode on the GPU when there is one, its tokenizer, its kind, and the
     longest input its positions allow."""
+    transformers.utils.logging.disable_progress_bar()  # a bar per trial would drown the search's progress
     config = transformers.AutoConfig.from_pretrained(model_dir)
     kind = _kind(config)
     auto = transformers.AutoModelForCausalLM if kind == CAUSAL else transformers.AutoModelForMaskedLM

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from mergepipe.flows import index_family as _index_family
 from mergepipe.flows import merge as _merge
 from mergepipe.flows import replay as _replay
+from mergepipe.flows import search as _search
 from mergepipe.flows import stages as _stages
 from mergepipe.flows import sweep as _sweep
 from mergepipe.flows.automations import HEARTBEAT_SECONDS
@@ -20,6 +21,7 @@ merge = _merge.merge.prefect
 budget_sweep = _sweep.budget_sweep.prefect
 replay = _replay.replay.prefect
 merge_stages = _stages.merge_stages.prefect
+merge_search = _search.merge_search.prefect
 
 WORK_POOL = "mergepipe-process"
 # The environment of every run (a work pool's job variables; `serve` sets it in its own): flow
@@ -63,6 +65,13 @@ DEPLOYMENTS = [
         "sweep",
         "mergepipe.flows.deployments:budget_sweep",
         "Merge at several budgets, one output per budget under out (parameters: config, out, budgets, runner, dask_address).",
+    ),
+    DeploymentSpec(
+        "merge-search",
+        "mergepipe.flows.deployments:merge_search",
+        "Search a config's ranges and choices with budgeted trial merges scored by its evaluation; the best merged "
+        "again at the final budget and published to out (parameters: config, out, trials, parallel, report, scratch, "
+        "overwrite, catalog, runner, dask_address, memory). The same config and out again resume the search.",
     ),
     DeploymentSpec(
         "merge-nightly",
