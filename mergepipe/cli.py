@@ -415,7 +415,15 @@ def search(
     catalog: Optional[str] = CatalogOpt,
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
-    cache: Optional[str] = CacheOpt,
+    cache: Optional[str] = typer.Option(
+        None,
+        "--cache",
+        help="The block cache that serves remote inputs' bytes from one trial to the next (MERGEPIPE_CACHE does "
+        "the same; default: SCRATCH/cache).",
+    ),
+    cache_size: Optional[str] = typer.Option(
+        None, "--cache-size", help="Trim the block cache to this size between trials (default: half its disk's free space)."
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Search a config's ranges and choices with budgeted trial merges scored by your evaluation;
@@ -428,6 +436,10 @@ def search(
 
         check_runner(runner, dask_address)
         load_search(config, trials=trials, parallel=parallel)  # bad ranges fail here, before any flow
+        if cache_size is not None:
+            from mergepipe.config.sizes import parse_size
+
+            parse_size(cache_size, key="--cache-size")
         from mergepipe.flows.orchestration import run_flow
         from mergepipe.flows.search import merge_search
 
@@ -444,6 +456,7 @@ def search(
             runner=runner,
             dask_address=dask_address,
             memory=memory,
+            cache_size=cache_size,
         )
 
     result = run_command(go)

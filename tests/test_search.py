@@ -328,3 +328,102 @@ def test_a_search_as_a_prefect_flow_runs_trials_in_parallel(family, tmp_path, mo
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[SEARCH_KEY])))
         assert found
+
+
+@pytest.mark.slow
+def test_two_processes_share_one_search_over_s3_and_a_shared_catalog(s3, pg_catalog, tmp_path):
+    """Two processes with homes of their own, one PostgreSQL catalog (where the study lives) and
+    a family on S3 run one search: every trial runs once, one of them publishes, and the experts'
+    bytes fetched from S3 over the whole search are at most the union of the access sets of its
+    merges (the block cache serves a block one trial read to every later one)."""
+    from mergepipe.catalog import db
+    from mergepipe.config.environment import catalog_location
+    from mergepipe.plan import saved
+
+    from .test_s3 import BUCKET, upload_folder
+
+    fam = make_family(
+        tmp_path / "fam",
+        experts=("dense", "dense"),
+        n_layers=2,
+        hidden=32,
+        intermediate=64,
+        vocab=64,
+        dtype="float32",
+        shards=1,
+    )
+    scorer = tmp_path / "scorer.py"
+    scorer.write_text(SCORER)
+    base = upload_folder(s3, fam.base, "search/base")
+    experts = [upload_folder(s3, e, f"search/expert-{i}") for i, e in enumerate(fam.experts)]
+    doc = {
+        "merge_method": "task_arithmetic",
+        "base_model": base,
+        "block_size": "2KiB",
+        "models": [{"model": e, "parameters": {"weight": {"search": [0.0, 1.0]}}} for e in experts],
+    }
+    env = {**os.environ, "SCORER_LOG": str(tmp_path / "scored.log"), "MERGEPIPE_ORCHESTRATION": "local"}
+
+    def cli(*args: str, home: str = "home-0"):
+        return [sys.executable, "-m", "mergepipe.cli", *args, "--catalog", pg_catalog], {
+            **env,
+            "MERGEPIPE_HOME": str(tmp_path / home),
+        }
+
+    indexed = tmp_path / "index.yml"
+    indexed.write_text(
+        yaml.safe_dump({**doc, "models": [{"model": e, "parameters": {"weight": 0.5}} for e in experts]})
+    )
+    cmd, e = cli("index", str(indexed))
+    assert subprocess.run(cmd, env=e, capture_output=True, text=True).returncode == 0  # the index pass, not counted
+    s3.proxy.reset()
+
+    cfg = tmp_path / "search.yml"
+    search = {
+        "trials": 8,
+        "budget": "20%",
+        "final_budget": "40%",
+        "top_k": 2,
+        "sampler": "random",
+        "seed": 5,
+        "evaluate": {"command": f"{sys.executable} {scorer} {{model}} {fam.experts[0]}"},
+    }
+    cfg.write_text(yaml.safe_dump({**doc, "search": search}))
+    out = f"s3://{BUCKET}/search/best"
+    procs = []
+    for i in range(2):
+        cmd, e = cli(
+            "search", str(cfg), "--out", out, "--cache", str(tmp_path / "cache"), "--scratch", str(tmp_path / f"scratch-{i}"),
+            "--report", str(tmp_path / f"report-{i}"), "--json", home=f"home-{i}",
+        )  # fmt: skip
+        procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=900) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    results = [json.loads(o) for o, _ in outs]
+    assert results[0]["digest"] == results[1]["digest"]
+
+    with db.connect(pg_catalog, read_only=True) as con:
+        trials = con.execute("SELECT trial, plan_key FROM search_trials WHERE NOT final ORDER BY trial").fetchall()
+        finals = con.execute("SELECT trial, plan_key FROM search_trials WHERE final").fetchall()
+        published = con.execute("SELECT plan_digest FROM runs WHERE out_uri = ?", [out]).fetchall()
+    assert [t for t, _ in trials] == list(range(8))  # each trial once
+    assert len(finals) == 2 and len(published) == 1
+
+    location = catalog_location(pg_catalog)
+    blocks, header_room, planned = set(), 0, 0
+    for _, key in trials + finals:
+        plan = saved.load(saved.PlanRef(key, location))[0]
+        planned += plan.expert_bytes_planned
+        for row in plan.access.to_pylist():
+            blocks.add((row["expert"], row["tensor"], row["block"], row["bytes"]))
+    union = sum(b for *_, b in blocks)
+    # Each process reads each expert file's header (a few KiB) at most once more than the cache
+    # holds it: what the bound allows beside the blocks.
+    for e in fam.experts:
+        header_room += 2 * (8 + int.from_bytes((e / "model.safetensors").read_bytes()[:8], "little"))
+    fetched = sum(
+        x.body_bytes for x in s3.proxy.taken() if x.method == "GET" and "/search/expert-" in x.key and x.range
+    )
+    assert 0 < fetched <= union + header_room < planned  # the trials' plans overlap: the cache paid
+    assert sum(t["cache_bytes"] for t in results[0]["trials"]) > 0  # shown as the cache role

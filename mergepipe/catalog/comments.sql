@@ -177,9 +177,9 @@ COMMENT ON COLUMN search_trials.config_yaml IS 'the candidate merge config (with
 COMMENT ON COLUMN search_trials.plan_key IS 'the plan merged (saved_plans.plan_key)';
 COMMENT ON COLUMN search_trials.budget IS 'the budget as given';
 COMMENT ON COLUMN search_trials.budget_bytes IS 'the budget in expert bytes';
-COMMENT ON COLUMN search_trials.expert_bytes_read IS 'expert bytes the merge read from storage (the block cache''s in cache_bytes)';
-COMMENT ON COLUMN search_trials.input_bytes_read IS 'bytes read from the inputs'' storage (disk or network), headers, base and experts; the block cache''s not counted';
-COMMENT ON COLUMN search_trials.cache_bytes IS 'expert bytes the block cache served';
+COMMENT ON COLUMN search_trials.expert_bytes_read IS 'expert bytes the merge read, from storage or from the block cache';
+COMMENT ON COLUMN search_trials.input_bytes_read IS 'bytes the inputs'' storage (disk or network) sent: headers, base and experts, less what the block cache served';
+COMMENT ON COLUMN search_trials.cache_bytes IS 'bytes of remote inputs the block cache served instead of the network';
 COMMENT ON COLUMN search_trials.error_bound IS 'the plan''s predicted bound';
 COMMENT ON COLUMN search_trials.score IS 'the evaluation''s score (the objective)';
 COMMENT ON COLUMN search_trials.metrics_json IS 'the evaluation''s other numbers';

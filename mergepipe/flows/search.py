@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -30,7 +31,9 @@ from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
 from mergepipe.publish.manifest import load_manifest, verified_digest
 from mergepipe.publish.search_report import search_report, summary_rows
+from mergepipe.storage import cache
 from mergepipe.storage.lease import Holder, OutputBusy, OutputLease
+from mergepipe.storage.ledger import READ_ROLES
 from mergepipe.storage.location import ContextPool, is_remote, join
 from mergepipe.storage.writer import check_destination, write_file
 from mergepipe.tasks import progress
@@ -58,6 +61,8 @@ class Search:
     dask_address: str | None
     memory: int  # the memory budget of the trials in flight, together
     catalog_arg: str | None = None  # the catalog as given (a flow parameter never holds a password)
+    cache: Path | None = None  # the block cache, and the size it is trimmed to between trials
+    cache_bound: int = 0
     study: Any = field(repr=False, default=None)
 
 
@@ -78,6 +83,7 @@ def merge_search(
     runner: Literal["thread", "dask"] = "thread",
     dask_address: str | None = None,
     memory: str | None = None,
+    cache_size: str | None = None,
 ) -> dict:
     """Search a merge config's ranges and choices: each trial a merge at the search's budget
     into a scratch folder, scored by its evaluation; the best trials merged again at the final
@@ -100,13 +106,18 @@ def merge_search(
         runner: Where each merge's layer groups run: "thread" or "dask".
         dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
         memory: Memory for the trials in flight, all together (default: half the machine's).
+        cache_size: The bound of the block cache that serves remote inputs' bytes read by one
+            trial to the next (MERGEPIPE_CACHE, else SCRATCH/cache), a size such as 20GiB
+            (default: half the free space on its disk at the start).
     """
     s = _open(config, out, trials, parallel, scratch, overwrite, catalog, runner, dask_address, memory)
+    s.cache, s.cache_bound = _block_cache(s.scratch.parent, cache_size)
     rep = progress.reporter()
     _check_base(s, rep)
     _run_trials(s, rep)
     result = _finish(s, overwrite, rep)
     shutil.rmtree(s.scratch, ignore_errors=True)  # each candidate's folder went when it was scored
+    cache.trim(s.cache, s.cache_bound, wait=True)
     folder = Path(report) if report else default_report(s.out)
     folder.mkdir(parents=True, exist_ok=True)
     title = f"search of {Path(str(config)).name}"
@@ -125,6 +136,19 @@ def merge_search(
 def default_report(out: str) -> Path:
     """Beside a local output (never in it: its files are the manifest's), else here."""
     return Path("mergepipe-search") if is_remote(out) else Path(out).with_name(Path(out).name + "-search")
+
+
+def _block_cache(scratch_root: Path, size: str | None) -> tuple[Path, int]:
+    """The block cache of remote inputs: the one configured, else one under the scratch root,
+    made the process's (storage.cache reads MERGEPIPE_CACHE), and its bound."""
+    root = cache.cache_dir()
+    if root is None:
+        root = scratch_root / "cache"
+        os.environ[cache.ENV] = str(root.resolve())
+    root.mkdir(parents=True, exist_ok=True)
+    if size is not None:
+        return root, parse_size(size, key="--cache-size")
+    return root, shutil.disk_usage(root).free // 2
 
 
 def _open(
@@ -260,14 +284,15 @@ def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool
     except MergepipeError as err:  # a candidate that cannot merge (a bad combination, too little memory)
         row.update(error=f"merge: {err}", merge_seconds=time.perf_counter() - t0)
         return _recorded(s, row, folder)
-    by_role = merged.get("bytes", {})
+    run, index = merged.get("bytes", {}), merged.get("index_bytes", {})
+    served = run.get("cache", 0) + index.get("cache", 0)
     row.update(
         plan_key=merged["plan_key"],
         budget_bytes=merged["budget_bytes"],
         expert_bytes_read=merged["expert_bytes_read"],
-        cache_bytes=by_role.get("cache", 0),
-        input_bytes_read=sum(merged.get("index_bytes", {}).values())
-        + sum(by_role.get(r, 0) for r in ("base", "expert", "reread", "retry", "sidecar", "lora_base")),
+        cache_bytes=served,
+        # read roles count what the cache served too (beside its own role): what storage sent is the rest
+        input_bytes_read=sum(run.get(r, 0) + index.get(r, 0) for r in READ_ROLES) - served,
         error_bound=merged["error_bound"],
         merge_digest=merged["digest"],
         merge_seconds=time.perf_counter() - t0,
@@ -334,6 +359,7 @@ def _run_trials(s: Search, rep) -> None:
                     stats["bytes"] += row.get("expert_bytes_read") or 0
                     rep.advance("trials", 1)
                     rep.note(_progress_line(s, row, stats))
+                    cache.trim(s.cache, s.cache_bound)  # skipped while a trial reads through it
     finally:
         rep.finish("trials")
 

@@ -1,12 +1,15 @@
-"""A local cache of the byte ranges read from pinned Hub commits (`--cache DIR`, or
-MERGEPIPE_CACHE): a later merge, at a larger budget or of another config over the same models,
-fetches only the ranges it has not read before.
+"""A local cache of the byte ranges read from remote inputs (`--cache DIR`, or MERGEPIPE_CACHE;
+a merge search keeps one by default): a later merge, at a larger budget or of another config over
+the same models (a search's next trial), fetches only the ranges it has not read before.
 
-A commit's file never changes, so its bytes are kept by URL (which names the commit): one
-sparse file per remote file, holding what was read at the same offsets, and beside it the
-ranges it holds. Writers of one entry take turns on a lock file; what a reader finds listed is
-there in full (bytes are written before their range is listed). Other locations (an https://
-folder, S3) can change under the same name and are never cached.
+A pinned Hub commit's file never changes, so its bytes are kept by URL (which names the commit).
+An object in an object store can change under the same name, so its bytes are kept by URL and
+the ETag (or version id) this process last saw when it read the object's fingerprint (pin):
+a changed object is a new entry, never the old bytes. An https:// folder, which has neither,
+is never cached. Each entry is one sparse file holding what was read at the same offsets, and
+beside it the ranges it holds. Writers of one entry take turns on a lock file; what a reader
+finds listed is there in full (bytes are written before their range is listed). A size bound
+(trim) drops the entries least recently read, never while a reader holds the cache.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ import fcntl
 import hashlib
 import json
 import os
+import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -28,8 +33,83 @@ def cache_dir() -> Path | None:
     return Path(where) if where else None
 
 
+# Object-store objects by URL: the version (ETag or version id) this process last saw.
+_pins: dict[str, str] = {}
+_pins_lock = threading.Lock()
+
+
+def pin(uri: str, version: str | None) -> None:
+    """The version of an object read now (its fingerprint's ETag or version id): its cached
+    bytes are those of this version."""
+    if version:
+        with _pins_lock:
+            _pins[uri] = version
+
+
 def cacheable(uri: str) -> bool:
-    return commit_of(uri) is not None
+    return commit_of(uri) is not None or uri in _pins
+
+
+def _key(uri: str) -> str:
+    if commit_of(uri) is not None:
+        return uri
+    with _pins_lock:
+        return f"{uri}\0{_pins[uri]}"
+
+
+LOCK = ".lock"
+
+
+@contextmanager
+def reading(root: Path) -> Iterator[None]:
+    """Held by a reader while it uses the cache: a trim waits for no reader."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def held_bytes(root: Path) -> int:
+    return sum(_entry_size(p) for p in root.glob("*/*.ranges"))
+
+
+def _entry_size(index: Path) -> int:
+    try:
+        return sum(b - a for a, b in json.loads(index.read_text()))
+    except (OSError, ValueError):
+        return 0
+
+
+def trim(root: Path, max_bytes: int, wait: bool = False) -> int | None:
+    """Drop the entries read least recently until the cache holds at most max_bytes; returns
+    what it holds then. With wait false, gives up (None) while a reader holds the cache."""
+    if not root.is_dir():
+        return 0
+    with open(root / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            return None
+        try:
+            entries = []
+            for index in root.glob("*/*.ranges"):
+                try:
+                    entries.append((index.stat().st_mtime, index, _entry_size(index)))
+                except FileNotFoundError:
+                    continue
+            total = sum(size for _, _, size in entries)
+            for _, index, size in sorted(entries, key=lambda e: (e[0], str(e[1]))):
+                if total <= max_bytes:
+                    break
+                for path in (index, index.with_suffix(".data"), index.with_suffix(".lock")):
+                    path.unlink(missing_ok=True)
+                total -= size
+            return total
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _merge(ranges: list[list[int]]) -> list[list[int]]:
@@ -62,7 +142,7 @@ class Entry:
     """One remote file's cached bytes."""
 
     def __init__(self, root: Path, uri: str) -> None:
-        key = hashlib.sha256(uri.encode()).hexdigest()
+        key = hashlib.sha256(_key(uri).encode()).hexdigest()
         self.folder = root / key[:2]
         self.data = self.folder / f"{key}.data"
         self.index = self.folder / f"{key}.ranges"
@@ -75,7 +155,9 @@ class Entry:
 
     def read(self, start: int, end: int) -> bytes:
         with open(self.data, "rb") as f:
-            return os.pread(f.fileno(), end - start, start)
+            data = os.pread(f.fileno(), end - start, start)
+        os.utime(self.index)  # read recently: the last to go when the cache is trimmed
+        return data
 
     @contextmanager
     def _locked(self):

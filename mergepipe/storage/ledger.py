@@ -11,8 +11,8 @@ from collections import defaultdict
 # upload: bytes published into an object-store output; compose: staged bytes read back there to
 # be sent again, where a multipart part would be under the store's minimum size. retry: ranges
 # asked for again after a transient failure of an object store or HTTP server (beside the
-# bytes their role counts once). cache: bytes of pinned Hub commits served by the local cache
-# (storage.cache) rather than the network (beside their role too). resolve: Hub files looked up
+# bytes their role counts once). cache: bytes of pinned Hub commits, or of objects at the ETag
+# seen, served by the local cache (storage.cache) rather than the network (beside their role too). resolve: Hub files looked up
 # for where their bytes are (no bytes; `requests` counts the lookups, refreshes of expired URLs
 # among them). rate_limit: answers that asked to wait (no bytes; `seconds` the waits they added).
 # lora_base: a model's rows read to apply a LoRA adapter's change to them (storage.adapters),

@@ -393,6 +393,12 @@ class RangeReader:
         the cache served (`cache`), the ranges asked for again after a failure or a refusal
         (`retry`), the Hub files resolved (`resolve`) and the rate limits met (`rate_limit`)."""
         root = cache.cache_dir()
+        if root is None:
+            return self._fetch_through(None, items, requests)
+        with cache.reading(root):
+            return self._fetch_through(root, items, requests)
+
+    def _fetch_through(self, root, items: list[tuple[int, str, int, int]], requests: list[ReadRequest]) -> list[bytearray]:
         entries = {} if root is None else {p: cache.Entry(root, p) for _, p, _, _ in items if cache.cacheable(p)}
         parts = [cache.missing(entries[p].held(), s, e) if p in entries else [(s, e)] for _, p, s, e in items]
         wanted = [(p, a, b) for (_, p, _, _), ps in zip(items, parts) for a, b in ps]

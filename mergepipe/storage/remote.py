@@ -22,7 +22,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.storage import hub
+from mergepipe.storage import cache, hub
 from mergepipe.storage.fingerprints import FileFingerprint
 from mergepipe.storage.location import HTTP, ContextPool, filesystem, fs_path, hub_token, protocol
 
@@ -435,7 +435,10 @@ def stat(uri: str) -> FileFingerprint | None:
         etag = (info.get("ETag") or info.get("etag") or "").strip('"') or None
         return FileFingerprint(size=int(info["size"]), etag=etag, version_id=info.get("VersionId") or None)
 
-    return retrying(uri, "stat", call)
+    fp = retrying(uri, "stat", call)
+    if fp is not None:
+        cache.pin(uri, fp.version_id or fp.etag)  # the version a cache keeps this object's bytes under
+    return fp
 
 
 def list_folder(uri: str, names: tuple[str, ...] = ()) -> list[str] | None:
