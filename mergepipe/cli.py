@@ -422,7 +422,9 @@ def search(
         "the same; default: SCRATCH/cache).",
     ),
     cache_size: Optional[str] = typer.Option(
-        None, "--cache-size", help="Trim the block cache to this size between trials (default: half its disk's free space)."
+        None,
+        "--cache-size",
+        help="Trim the block cache to this size between trials (default: half its disk's free space).",
     ),
     as_json: bool = JsonOpt,
 ) -> None:

@@ -398,7 +398,9 @@ class RangeReader:
         with cache.reading(root):
             return self._fetch_through(root, items, requests)
 
-    def _fetch_through(self, root, items: list[tuple[int, str, int, int]], requests: list[ReadRequest]) -> list[bytearray]:
+    def _fetch_through(
+        self, root, items: list[tuple[int, str, int, int]], requests: list[ReadRequest]
+    ) -> list[bytearray]:
         entries = {} if root is None else {p: cache.Entry(root, p) for _, p, _, _ in items if cache.cacheable(p)}
         parts = [cache.missing(entries[p].held(), s, e) if p in entries else [(s, e)] for _, p, s, e in items]
         wanted = [(p, a, b) for (_, p, _, _), ps in zip(items, parts) for a, b in ps]
