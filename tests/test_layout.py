@@ -11,10 +11,10 @@ import mergepipe
 ROOT = Path(mergepipe.__file__).parent
 
 # Each package and what it may import of ours (besides itself, errors and the package face).
-# cli → flows → tasks → publish → execute → plan → index → config, all over operators, storage
+# cli → flows → tasks → evaluate → publish → execute → plan → index → config, all over operators, storage
 # and catalog, which import none of the stages (but the catalog config's types: DESIGN); devtools
 # is for the demo, tests and benchmarks.
-STAGES = ["config", "index", "plan", "execute", "publish", "tasks", "flows"]
+STAGES = ["config", "index", "plan", "execute", "publish", "evaluate", "tasks", "flows"]
 BENEATH = {"operators": set(), "storage": set(), "catalog": set(), "devtools": set()}
 for i, stage in enumerate(STAGES):
     BENEATH[stage] = set(STAGES[:i]) | {"operators", "storage", "catalog"}

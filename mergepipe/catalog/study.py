@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mergepipe.config.environment import CatalogLocation
@@ -158,10 +159,11 @@ def _alive(owner: str) -> bool | None:
     return True
 
 
-def requeue_stale(study: Any, stale_after: float = STALE_AFTER_S) -> list[int]:
-    """Trials left running by a process that died (on this host, or silent for stale_after):
-    closed as failed and stale, and their parameters queued again, so the next ask runs them
-    again. Returns their numbers."""
+def requeue_stale(study: Any, recorded: Callable[[int], dict | None], stale_after: float = STALE_AFTER_S) -> list[int]:
+    """Trials left running by a process that died (on this host, or silent for stale_after).
+    One whose result was recorded (`recorded(number)`: its row) before its process died is told
+    that result; the others are closed as failed and stale, and their parameters queued again,
+    so the next ask runs them again. Returns the numbers queued again."""
     from optuna.trial import TrialState
 
     now, done = time.time(), []
@@ -172,7 +174,15 @@ def requeue_stale(study: Any, stale_after: float = STALE_AFTER_S) -> list[int]:
         alive = _alive(owner)
         if alive or (alive is None and now - float(t.user_attrs.get(HEARTBEAT, now)) < stale_after):
             continue
+        row = recorded(t.number)
         try:
+            if row is not None and row["state"] == "complete":  # finished, but not told
+                study.tell(t.number, row["score"])
+                continue
+            if row is not None:
+                study.tell(t.number, state=TrialState.FAIL)
+                continue
+            # Through the storage: a finished trial takes no attributes, and this one is not ours.
             study._storage.set_trial_user_attr(t._trial_id, STALE, True)
             study.tell(t.number, state=TrialState.FAIL)
         except Exception as err:  # another process closed it first

@@ -26,7 +26,7 @@ from mergepipe.config.search import SearchSpec, candidate_yaml, load_search
 from mergepipe.config.sizes import parse_size
 from mergepipe.config.spec import LORA_JOIN, MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
-from mergepipe.flows.artifacts import create_table_artifact
+from mergepipe.flows.artifacts import artifact_key, create_table_artifact
 from mergepipe.flows.merge import merge
 from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
 from mergepipe.publish.manifest import load_manifest, verified_digest
@@ -126,7 +126,7 @@ def merge_search(
     result["report"] = str(folder)
     publish_artifact(
         create_table_artifact,
-        key=SEARCH_KEY,
+        key=artifact_key(SEARCH_KEY, out),
         table=summary_rows(result),
         description=f"merge search of {config} into {s.out}",
     )
@@ -165,14 +165,14 @@ def _open(
 ) -> Search:
     spec = load_search(config, trials=trials, parallel=parallel)
     first = spec.candidate_spec(spec.values_at({p.name: _first(p) for p in spec.params}))
-    destination = check_destination(out, True, first.model_uris)  # an existing one: refused at the end
+    destination = check_destination(out, True, first.model_uris)
     location = catalog_location(catalog)
     name = spec.study_name(destination)
+    if not overwrite and _searched_by(destination) != name:  # not this search's own output
+        check_destination(out, False, first.model_uris)
     root = Path(scratch).expanduser() if scratch else Path(tempfile.gettempdir()) / "mergepipe-search"
     total_memory = parse_size(memory, key="--memory") if memory else (first.memory_bytes or default_memory())
     s = Search(spec, destination, location, name, root / name, runner, dask_address, total_memory, catalog)
-    if not overwrite and verified_digest(destination) is not None and _searched_by(destination) != name:
-        raise BadInput(f"{destination}: an output is published there already (--overwrite replaces it)")
     s.scratch.mkdir(parents=True, exist_ok=True)
     s.study = studies.open_study(spec, location, name)
     return s
@@ -281,8 +281,9 @@ def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool
     t0 = time.perf_counter()
     try:
         merged = _merge_candidate(s, doc, budget, str(folder / "model"), None)
-    except MergepipeError as err:  # a candidate that cannot merge (a bad combination, too little memory)
-        row.update(error=f"merge: {err}", merge_seconds=time.perf_counter() - t0)
+    except Exception as err:  # noqa: BLE001 - a candidate that cannot merge fails its trial, not the search
+        what = str(err) if isinstance(err, MergepipeError) else f"{type(err).__name__}: {err}"
+        row.update(error=f"merge: {what}", merge_seconds=time.perf_counter() - t0)
         return _recorded(s, row, folder)
     run, index = merged.get("bytes", {}), merged.get("index_bytes", {})
     served = run.get("cache", 0) + index.get("cache", 0)
@@ -297,7 +298,10 @@ def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool
         merge_digest=merged["digest"],
         merge_seconds=time.perf_counter() - t0,
     )
-    score = run_task(evaluate_candidate, s.spec.settings.evaluate, str(folder / "model"), f"{s.name}:{number}")
+    try:
+        score = run_task(evaluate_candidate, s.spec.settings.evaluate, str(folder / "model"), f"{s.name}:{number}")
+    except Exception as err:  # noqa: BLE001 - the evaluator's own failure fails the trial
+        score = {"score": None, "metrics": {}, "seconds": 0.0, "error": f"{type(err).__name__}: {err}"}
     row.update(eval_seconds=score["seconds"], metrics_json=json.dumps(score["metrics"], sort_keys=True))
     if score["error"] is not None or score["score"] is None or not math.isfinite(score["score"]):
         row["error"] = f"evaluate: {score['error'] or 'no score'}"
@@ -334,9 +338,9 @@ def _run_trials(s: Search, rep) -> None:
     try:
         with ContextPool(parallel, thread_name_prefix="trial") as pool, beating(beat, studies.HEARTBEAT_S, "trial"):
             while True:
-                requeued = studies.requeue_stale(study)
+                requeued = studies.requeue_stale(study, lambda n: _recorded_row(s, n))
                 if requeued:
-                    rep.note(f"trials {requeued}: left running by a process that died; running them again")
+                    rep.note(f"trials {requeued}: left running by a process that died; queued to run again")
                 while len(inflight) < parallel and _may_ask(study, total):
                     trial = study.ask()
                     if not studies.claim(study, trial, total):
@@ -362,6 +366,11 @@ def _run_trials(s: Search, rep) -> None:
                     cache.trim(s.cache, s.cache_bound)  # skipped while a trial reads through it
     finally:
         rep.finish("trials")
+
+
+def _recorded_row(s: Search, number: int) -> dict | None:
+    """A trial's row, when it was recorded (its process died before telling the study)."""
+    return next((r for r in run_task(read_trials, s.catalog, s.name) if r["trial"] == number and not r["final"]), None)
 
 
 def _may_ask(study: Any, total: int) -> bool:
