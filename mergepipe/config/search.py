@@ -118,6 +118,10 @@ class SearchSpec:
     params: tuple[SearchParam, ...]
     settings: SearchSettings
 
+    def first_values(self) -> dict[str, Any]:
+        """Each searched place at its first value (a range's low, a choice's first option)."""
+        return {p.name: p.domain.low if isinstance(p.domain, Range) else p.domain.options[0] for p in self.params}
+
     def values_at(self, params: dict[str, Any]) -> dict[str, Any]:
         """Optuna's parameter values as the candidate's: a choice held by position, by its option."""
         out = {}
@@ -327,12 +331,12 @@ def _settings(section: Any, source: str, trials: int | None, parallel: int | Non
     )
 
 
-def _corners(params: tuple[SearchParam, ...]) -> list[tuple[str, dict[str, Any]]]:
+def _corners(spec: SearchSpec) -> list[tuple[str, dict[str, Any]]]:
     """Candidates that together put every searched place at each of its ends (a range's low and
     high, each option of a choice), the others at their first: what validation tries."""
-    first = {p.name: (p.domain.low if isinstance(p.domain, Range) else p.domain.options[0]) for p in params}
+    first = spec.first_values()
     out = [("", first)]
-    for p in params:
+    for p in spec.params:
         ends = [p.domain.low, p.domain.high] if isinstance(p.domain, Range) else list(p.domain.options)
         out += [(p.name, {**first, p.name: v}) for v in ends[1:]]
     return out
@@ -401,7 +405,7 @@ def load_search(location: str | Path, *, trials: int | None = None, parallel: in
                 raise BadInput(f"{location}: {p.name}: sampler grid needs a step on every range")
     _check_numeric(doc, params, location)
     spec = SearchSpec(location if is_remote(location) else str(Path(location).resolve()), doc, params, settings)
-    for name, values in _corners(params):
+    for name, values in _corners(spec):
         try:
             check_parameters(spec.candidate_spec(values))
         except BadInput as err:

@@ -22,7 +22,7 @@ import yaml
 
 from mergepipe.catalog import study as studies
 from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
-from mergepipe.config.search import SearchSpec, candidate_yaml, load_search
+from mergepipe.config.search import SearchSpec, candidate_yaml, load_search, load_spec_document
 from mergepipe.config.sizes import parse_size
 from mergepipe.config.spec import LORA_JOIN, MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
@@ -164,7 +164,7 @@ def _open(
     memory: str | None,
 ) -> Search:
     spec = load_search(config, trials=trials, parallel=parallel)
-    first = spec.candidate_spec(spec.values_at({p.name: _first(p) for p in spec.params}))
+    first = spec.candidate_spec(spec.first_values())
     destination = check_destination(out, True, first.model_uris)
     location = catalog_location(catalog)
     name = spec.study_name(destination)
@@ -176,14 +176,6 @@ def _open(
     s.scratch.mkdir(parents=True, exist_ok=True)
     s.study = studies.open_study(spec, location, name)
     return s
-
-
-def _first(p) -> Any:
-    from mergepipe.config.search import Range
-
-    if isinstance(p.domain, Range):
-        return p.domain.low
-    return p.domain.options[0] if p.domain.primitive else 0
 
 
 def _searched_by(out: str) -> str | None:
@@ -201,13 +193,15 @@ def _check_base(s: Search, rep) -> None:
     fail every trial, so the search stops (exit 2) with its message."""
     if BASE_SCORE in s.study.user_attrs:
         return
-    base = s.spec.candidate_spec(s.spec.values_at({p.name: _first(p) for p in s.spec.params})).base_model
+    base = s.spec.candidate_spec(s.spec.first_values()).base_model
     rep.note(f"search {s.name}: checking the evaluation on the base model {base}")
     where = s.scratch / "base"
     if is_remote(base) or LORA_JOIN in base or not Path(base).is_dir():
         # Not a local folder: the base as a merge that reads no expert writes one.
         folder = str(where / "model")
-        _merge_candidate(s, _first_doc(s), "0%", folder, None, True)
+        _merge_candidate(
+            s, s.spec.candidate(s.spec.first_values()), "0%", folder, where / "candidate.yml", allow_empty=True
+        )
     else:
         folder = base
     score = run_task(evaluate_candidate, s.spec.settings.evaluate, folder, "base")
@@ -218,10 +212,6 @@ def _check_base(s: Search, rep) -> None:
     rep.note(f"base model: score {score['score']:.6g}")
 
 
-def _first_doc(s: Search) -> dict:
-    return s.spec.candidate(s.spec.values_at({p.name: _first(p) for p in s.spec.params}))
-
-
 # Trials ------------------------------------------------------------------------------------------
 
 
@@ -229,37 +219,25 @@ def _memory_share(s: Search) -> str:
     return f"{max(1, s.memory // s.spec.settings.parallel)}B"
 
 
-def _merge_candidate(
-    s: Search, doc: dict, budget: str, folder: str, record: dict | None, allow_empty: bool = False
-) -> dict:
-    """A candidate config merged into `folder` (replaced if there): its config file is written
-    beside it with every model location resolved, as the merge validates it."""
-    spec: MergeSpec = _validated(s, doc)
-    config = Path(folder).parent / "candidate.yml"
+def _merge_candidate(s: Search, doc: dict, budget: str, out: str, config: Path, **options: Any) -> dict:
+    """A candidate config merged into `out` (a trial's: replaced if there, a model card-less
+    output within a share of the memory): its config is written to `config` with every model
+    location resolved (as the search config's are), for the merge subflow to read."""
+    spec: MergeSpec = load_spec_document(doc, s.spec.location)
     config.parent.mkdir(parents=True, exist_ok=True)
-    data = {**spec.recorded(), "storage_options": spec.storage_options}
     config.touch(mode=0o600)  # it may hold the search config's storage options
-    config.write_text(yaml.safe_dump(data, sort_keys=False))
+    config.write_text(yaml.safe_dump({**spec.recorded(), "storage_options": spec.storage_options}, sort_keys=False))
+    given = {"overwrite": True, "model_card": False, "memory": _memory_share(s), **options}
     return run_flow(
         merge,
         config=str(config),
-        out=folder,
+        out=out,
         budget=budget,
-        overwrite=True,
         catalog=s.catalog_arg,
         runner=s.runner,
         dask_address=s.dask_address,
-        allow_empty=allow_empty,
-        memory=_memory_share(s),
-        model_card=False,
-        record=record,
+        **given,
     )
-
-
-def _validated(s: Search, doc: dict) -> MergeSpec:
-    from mergepipe.config.search import load_spec_document
-
-    return load_spec_document(doc, s.spec.location)
 
 
 def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool) -> dict:
@@ -280,7 +258,7 @@ def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool
     }
     t0 = time.perf_counter()
     try:
-        merged = _merge_candidate(s, doc, budget, str(folder / "model"), None)
+        merged = _merge_candidate(s, doc, budget, str(folder / "model"), folder / "candidate.yml")
     except Exception as err:  # noqa: BLE001 - a candidate that cannot merge fails its trial, not the search
         what = str(err) if isinstance(err, MergepipeError) else f"{type(err).__name__}: {err}"
         row.update(error=f"merge: {what}", merge_seconds=time.perf_counter() - t0)
@@ -447,9 +425,9 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
     if not complete:
         first = next((r["error"] for r in trials if r.get("error")), "no trial ran")
         raise MergepipeError(f"search {s.name}: no trial completed; the first error: {first}")
-    reverse = settings.direction == "maximize"
-    top = sorted(complete, key=lambda r: (r["score"], r["trial"]), reverse=reverse)
-    top = sorted(top[: settings.top_k], key=lambda r: (-r["score"] if reverse else r["score"], r["trial"]))
+    sign = -1 if settings.direction == "maximize" else 1
+    order = lambda r: (sign * r["score"], r["trial"])  # best first; ties to the earlier trial
+    top = sorted(complete, key=order)[: settings.top_k]
     finals = {r["trial"]: r for r in rows if r["final"]}
     rep.start("final", len(top), "merges")
     try:
@@ -465,7 +443,7 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
         raise MergepipeError(
             f"search {s.name}: every final merge failed; the first: {finals[top[0]['trial']]['error']}"
         )
-    best = sorted(ok, key=lambda r: (-r["score"] if reverse else r["score"], r["trial"]))[0]
+    best = min(ok, key=order)
     budgeted = next(r for r in trials if r["trial"] == best["trial"])
     record = {
         "search": {
@@ -485,9 +463,18 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
     if published is not None and _searched_by(s.out) == s.name and published == best["merge_digest"]:
         merged = {"digest": published, "out": s.out, "manifest": join(s.out, "manifest.json")}
     else:
-        params = s.study.trials[best["trial"]].params
         rep.note(f"publishing trial {best['trial']} (final score {best['score']:.6g}) to {s.out}")
-        merged = _publish(s, params, record, overwrite or published is not None and _searched_by(s.out) == s.name)
+        merged = _merge_candidate(
+            s,
+            s.spec.candidate(s.spec.values_at(s.study.trials[best["trial"]].params)),
+            settings.final_budget,
+            s.out,
+            s.scratch / "published.yml",
+            overwrite=overwrite or (published is not None and _searched_by(s.out) == s.name),
+            model_card=True,
+            memory=f"{s.memory}B",
+            record=record,
+        )
     rows = run_task(read_trials, s.catalog, s.name)
     return {
         "search": s.name,
@@ -505,26 +492,6 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
         "trials": [_plain(r) for r in rows if not r["final"]],
         "finals": [_plain(r) for r in rows if r["final"]],
     }
-
-
-def _publish(s: Search, params: dict, record: dict, overwrite: bool) -> dict:
-    doc = s.spec.candidate(s.spec.values_at(params))
-    spec = _validated(s, doc)
-    config = s.scratch / "published.yml"
-    config.touch(mode=0o600)
-    config.write_text(yaml.safe_dump({**spec.recorded(), "storage_options": spec.storage_options}, sort_keys=False))
-    return run_flow(
-        merge,
-        config=str(config),
-        out=s.out,
-        budget=s.spec.settings.final_budget,
-        overwrite=overwrite,
-        catalog=s.catalog_arg,
-        runner=s.runner,
-        dask_address=s.dask_address,
-        memory=f"{s.memory}B",
-        record=record,
-    )
 
 
 def _plain(row: dict) -> dict:
