@@ -337,7 +337,7 @@ def test_a_search_as_a_prefect_flow_runs_trials_in_parallel(family, tmp_path, mo
 
 
 @pytest.mark.slow
-def test_two_processes_share_one_search_over_s3_and_a_shared_catalog(s3, pg_catalog, tmp_path):
+def test_two_processes_share_one_search_over_s3_and_a_shared_catalog(family, s3, pg_catalog, tmp_path):
     """Two processes with homes of their own, one PostgreSQL catalog (where the study lives) and
     a family on S3 run one search: every trial runs once, one of them publishes, and the experts'
     bytes fetched from S3 over the whole search are at most the union of the access sets of its
@@ -348,18 +348,7 @@ def test_two_processes_share_one_search_over_s3_and_a_shared_catalog(s3, pg_cata
 
     from .test_s3 import BUCKET, upload_folder
 
-    fam = make_family(
-        tmp_path / "fam",
-        experts=("dense", "dense"),
-        n_layers=2,
-        hidden=32,
-        intermediate=64,
-        vocab=64,
-        dtype="float32",
-        shards=1,
-    )
-    scorer = tmp_path / "scorer.py"
-    scorer.write_text(SCORER)
+    fam, scorer = family
     base = upload_folder(s3, fam.base, "search/base")
     experts = [upload_folder(s3, e, f"search/expert-{i}") for i, e in enumerate(fam.experts)]
     doc = {

@@ -9,7 +9,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from mergepipe.config.environment import CatalogLocation
@@ -18,6 +19,7 @@ from mergepipe.config.search import Choice, Range, SearchSettings, SearchSpec
 log = logging.getLogger("mergepipe.search")
 
 PG_SCHEMA = "mergepipe_search"
+LOCK_KEY = 0x6D657267_65736561  # the advisory lock taken while a study is opened ("mergesea")
 JOURNAL_SUFFIX = ".search-journal"
 # A running trial's process writes its heartbeat this often; one silent for STALE_AFTER is dead.
 HEARTBEAT_S = 10.0
@@ -37,15 +39,29 @@ def _quiet() -> Any:
     return optuna
 
 
+@contextmanager
+def _one_at_a_time(catalog: CatalogLocation) -> Iterator[None]:
+    """Processes opening a study in a shared catalog at once take turns (a PostgreSQL advisory
+    lock): creating the schema and Optuna's tables and types is not safe to race."""
+    if not catalog.shared:
+        yield
+        return
+    import psycopg
+
+    with psycopg.connect(catalog.connection_url(), autocommit=True) as con:
+        con.execute("SELECT pg_advisory_lock(%s)", [LOCK_KEY])
+        try:
+            con.execute(f"CREATE SCHEMA IF NOT EXISTS {PG_SCHEMA}")
+            yield
+        finally:
+            con.execute("SELECT pg_advisory_unlock(%s)", [LOCK_KEY])
+
+
 def storage_for(catalog: CatalogLocation) -> Any:
-    """The study's storage for this catalog."""
+    """The study's storage for this catalog (in a shared one, its schema made first)."""
     optuna = _quiet()
     if catalog.shared:
-        import psycopg
-
         url = catalog.connection_url()
-        with psycopg.connect(url, autocommit=True) as con:
-            con.execute(f"CREATE SCHEMA IF NOT EXISTS {PG_SCHEMA}")
         engine = {"connect_args": {"options": f"-c search_path={PG_SCHEMA}"}, "pool_pre_ping": True}
         return optuna.storages.RDBStorage(url.replace("postgresql://", "postgresql+psycopg://", 1), engine)
     from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
@@ -94,13 +110,14 @@ def _categories(d: Choice) -> list:
 def open_study(search: SearchSpec, catalog: CatalogLocation, name: str) -> Any:
     """The study `name`, made when missing (a run again resumes it)."""
     optuna = _quiet()
-    return optuna.create_study(
-        study_name=name,
-        storage=storage_for(catalog),
-        sampler=sampler_for(search),
-        direction=search.settings.direction,
-        load_if_exists=True,
-    )
+    with _one_at_a_time(catalog):
+        return optuna.create_study(
+            study_name=name,
+            storage=storage_for(catalog),
+            sampler=sampler_for(search),
+            direction=search.settings.direction,
+            load_if_exists=True,
+        )
 
 
 def suggest(trial: Any, search: SearchSpec) -> dict[str, Any]:
