@@ -431,3 +431,53 @@ def test_an_output_already_there_is_refused_before_any_trial(family, tmp_path):
     r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb")
     assert r.exit_code == 2 and "best" in r.output and "overwrite" in r.output
     assert not (tmp_path / "c.duckdb").exists()
+
+
+def test_rank_agreement_by_hand():
+    from mergepipe.publish.search_report import ranks, spearman
+
+    assert ranks([3.0, 1.0, 1.0, 2.0]) == [4.0, 1.5, 1.5, 3.0]
+    assert spearman([1, 2, 3], [10, 20, 30]) == 1.0
+    assert spearman([1, 2, 3], [3, 2, 1]) == -1.0
+    # Pearson's correlation of the ranks [1..5] and [1, 2, 3.5, 5, 3.5]: 0.82078…
+    assert abs(spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) - 0.8207826816681233) < 1e-12
+    assert spearman([1, 2], [4, 4]) is None and spearman([1], [2]) is None
+
+
+def test_the_block_cache_keeps_an_object_by_its_version_and_trims_the_least_recently_read(tmp_path):
+    """An S3 object's cached bytes are those of the ETag last seen (a new ETag: a new entry); a
+    trim drops what was read least recently, and waits for no reader (it gives up instead)."""
+    import time
+
+    from mergepipe.storage import cache
+
+    uri = "s3://bucket/model/model.safetensors"
+    cache.pin(uri, "etag-1")
+    assert cache.cacheable(uri) and not cache.cacheable("s3://bucket/other.safetensors")
+    old = cache.Entry(tmp_path, uri)
+    old.add([(0, b"a" * 100)])
+    cache.pin(uri, "etag-2")  # the object changed
+    new = cache.Entry(tmp_path, uri)
+    assert new.data != old.data and new.held() == [] and old.held() == [[0, 100]]
+    new.add([(0, b"b" * 300)])
+    time.sleep(0.01)
+    cache.pin(uri, "etag-1")
+    assert cache.Entry(tmp_path, uri).read(0, 100) == b"a" * 100  # read now: the most recent
+    assert cache.held_bytes(tmp_path) == 400
+    with cache.reading(tmp_path):
+        assert cache.trim(tmp_path, 150) is None  # a reader holds it: not now
+    assert cache.trim(tmp_path, 150) == 100
+    assert old.held() == [[0, 100]] and new.held() == [] and not new.data.exists()
+
+
+def test_a_search_leaves_the_process_without_its_block_cache(family, tmp_path, monkeypatch):
+    """The cache a search makes for itself is the search's only: later merges in the process
+    read without it."""
+    from mergepipe.storage import cache
+
+    monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
+    monkeypatch.delenv(cache.ENV, raising=False)
+    cfg = search_config(tmp_path / "s.yml", family, trials=2, top_k=1)
+    r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb", "--scratch", str(tmp_path / "scratch"))
+    assert r.exit_code == 0, r.output
+    assert cache.ENV not in os.environ and (tmp_path / "scratch" / "cache").is_dir()

@@ -12,7 +12,9 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,13 +113,12 @@ def merge_search(
             (default: half the free space on its disk at the start).
     """
     s = _open(config, out, trials, parallel, scratch, overwrite, catalog, runner, dask_address, memory)
-    s.cache, s.cache_bound = _block_cache(s.scratch.parent, cache_size)
     rep = progress.reporter()
-    _check_base(s, rep)
-    _run_trials(s, rep)
-    result = _finish(s, overwrite, rep)
+    with _block_cache(s, cache_size):
+        _check_base(s, rep)
+        _run_trials(s, rep)
+        result = _finish(s, overwrite, rep)
     shutil.rmtree(s.scratch, ignore_errors=True)  # each candidate's folder went when it was scored
-    cache.trim(s.cache, s.cache_bound, wait=True)
     folder = Path(report) if report else default_report(s.out)
     folder.mkdir(parents=True, exist_ok=True)
     title = f"search of {Path(str(config)).name}"
@@ -138,17 +139,24 @@ def default_report(out: str) -> Path:
     return Path("mergepipe-search") if is_remote(out) else Path(out).with_name(Path(out).name + "-search")
 
 
-def _block_cache(scratch_root: Path, size: str | None) -> tuple[Path, int]:
-    """The block cache of remote inputs: the one configured, else one under the scratch root,
-    made the process's (storage.cache reads MERGEPIPE_CACHE), and its bound."""
-    root = cache.cache_dir()
+@contextmanager
+def _block_cache(s: Search, size: str | None) -> Iterator[None]:
+    """The block cache of remote inputs while the block runs: the one configured, else one under
+    the scratch root, made the process's meanwhile (storage.cache reads MERGEPIPE_CACHE); with its
+    bound (by default half its disk's free space), trimmed to it at the end."""
+    root, given = cache.cache_dir(), os.environ.get(cache.ENV)
     if root is None:
-        root = scratch_root / "cache"
+        root = s.scratch.parent / "cache"
         os.environ[cache.ENV] = str(root.resolve())
-    root.mkdir(parents=True, exist_ok=True)
-    if size is not None:
-        return root, parse_size(size, key="--cache-size")
-    return root, shutil.disk_usage(root).free // 2
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        s.cache = root
+        s.cache_bound = parse_size(size, key="--cache-size") if size else shutil.disk_usage(root).free // 2
+        yield
+        cache.trim(root, s.cache_bound, wait=True)
+    finally:
+        if given is None:
+            os.environ.pop(cache.ENV, None)
 
 
 def _open(

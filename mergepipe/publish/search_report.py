@@ -117,6 +117,8 @@ def totals(result: dict) -> dict:
         "expert_bytes_read": sum(r.get("expert_bytes_read") or 0 for r in rows),
         "cache_bytes": sum(r.get("cache_bytes") or 0 for r in rows),
         "trial_budget_bytes": sum(r.get("budget_bytes") or 0 for r in result["trials"]),
+        # what the trials' plans read, each on its own: the bytes a search without a cache reads
+        "trial_plan_bytes": sum(r.get("expert_bytes_read") or 0 for r in result["trials"]),
         "merge_seconds": sum(r.get("merge_seconds") or 0 for r in rows),
         "eval_seconds": sum(r.get("eval_seconds") or 0 for r in rows),
     }
@@ -149,7 +151,8 @@ def search_report(result: dict, title: str) -> dict[str, bytes]:
         "",
         f"Bytes: the merges read {_mib(sums['input_bytes_read'])} MiB from the inputs' storage "
         f"({_mib(sums['expert_bytes_read'])} MiB of expert bytes, {_mib(sums['cache_bytes'])} MiB more served by "
-        f"the block cache); the trials' budgets sum to {_mib(sums['trial_budget_bytes'])} MiB. Seconds: "
+        f"the block cache); the trials' plans read {_mib(sums['trial_plan_bytes'])} MiB of expert bytes, "
+        f"within budgets that sum to {_mib(sums['trial_budget_bytes'])} MiB. Seconds: "
         f"{sums['merge_seconds']:.1f} merging, {sums['eval_seconds']:.1f} evaluating.",
         "",
         "## Final merges",
