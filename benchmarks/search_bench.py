@@ -5,12 +5,18 @@
 
 The family: a small Llama causal LM (transformers' LlamaConfig; by default hidden 512,
 intermediate 1536, 4 layers, 8 heads: 13.7 M parameters, 55 MB in float32) with the word-level
-tokenizer of the tests' tiny family (tests/llama_family.py). A base trained on six synthetic
-text domains at once, then K experts, each the base trained further on one domain (the tests'
-numbers and animals, and four more here from the same words: counting down, each animal's
-colour, the animals' order, runs of colours). The search scores a candidate by the built-in
-evaluator (`perplexity`: mean token loss, max_length 64) on held-out texts of all six domains
-in unequal shares, so that the best weights are neither uniform nor one expert's.
+tokenizer of the tests' tiny family (tests/llama_family.py). A base trained 100 steps (AdamW,
+1e-3) on six synthetic text domains at once, then K experts, each the base trained 30 steps
+further on one domain (the tests' numbers and animals, and four more here from the same words:
+counting down, each animal's colour, the animals' order, runs of colours). The experts are
+trained with plain SGD (lr 0.02): their deltas concentrate in few blocks, as real fine-tunes'
+do (docs/benchmarks.md, all-MiniLM-L6-v2: a 10% plan keeps the loss within a few percent);
+a few AdamW steps move every weight by about the same amount, and a 10% plan then captures
+little of any delta (--expert-optimizer adamw --expert-lr 1e-4 builds such a family). The
+share of each expert's delta energy in its top 10% of blocks is reported. The search scores a
+candidate by the built-in evaluator (`perplexity`: mean token loss, max_length 64) on 48
+held-out texts of all six domains in unequal shares, so that the best weights are neither
+uniform nor one expert's.
 
 The search config: task_arithmetic over the K experts, `weight: {search: [0, 1]}` each, one
 sampler and seed for every run. Runs, each in a fresh catalog, block cache, scratch and HF_HOME,
@@ -40,7 +46,8 @@ peak RSS) comes from wait4.
 "Within noise": the winners of two searches are compared on the search's own held-out texts,
 text by text: the paired difference of their summed token losses gives the standard error of
 the difference of their mean losses (SE = sqrt(n * var(d_i)) / tokens); a difference under
-2 SE is within noise. (Evaluating one model twice gives the same loss to the bit, so repeated
+2 SE is within noise (and a budgeted winner that scores better than the full search's is
+within it too). (Evaluating one model twice gives the same loss to the bit, so repeated
 evaluation has no spread to measure.) Also reported: the spread of the full search's five final
 scores, and both winners' loss on a second held-out set of the same mixture (other seeds).
 
@@ -71,6 +78,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mergepipe.config.sizes import parse_size  # noqa: E402
 from tests.llama_family import ANIMALS, COLOURS, DOMAINS, NUMBERS, make_tokenizer  # noqa: E402
 
 MB = 1e6
@@ -135,10 +143,13 @@ def held_out(n: int, seed: int) -> list[str]:
     return [ALL_DOMAINS[rng.choices(names, weights)[0]](rng) for _ in range(n)]
 
 
-def train(model, tokenizer, domains: str, steps: int, lr: float, batch: int, rng: random.Random) -> float:
+def train(
+    model, tokenizer, domains: str, steps: int, lr: float, batch: int, rng: random.Random, optimizer: str = "adamw"
+) -> float:
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    kind = torch.optim.AdamW if optimizer == "adamw" else torch.optim.SGD
+    opt = kind(model.parameters(), lr=lr)
     model.train()
     loss = None
     for _ in range(steps):
@@ -150,7 +161,7 @@ def train(model, tokenizer, domains: str, steps: int, lr: float, batch: int, rng
         loss.backward()
         opt.step()
     model.eval()
-    return float(loss)
+    return loss.item()
 
 
 def make_family(root: Path, args) -> dict:
@@ -159,6 +170,9 @@ def make_family(root: Path, args) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()
     config = LlamaConfig(
@@ -185,21 +199,25 @@ def make_family(root: Path, args) -> dict:
         return str(folder)
 
     domains = "".join(ALL_DOMAINS)
-    losses = {"base": train(model, tokenizer, domains, args.base_steps, args.lr, 16, rng)}
+    losses = {"base": train(model, tokenizer, domains, args.base_steps, args.base_lr, 16, rng)}
     base = save("base")
     state = {k: v.clone() for k, v in model.state_dict().items()}
     experts, expert_domains = [], []
     for i in range(args.experts):
         domain = domains[i % len(domains)]  # past six experts, the domains again (other data)
         model.load_state_dict(state)
-        losses[f"e{i}"] = train(model, tokenizer, domain, args.expert_steps, args.lr, 16, rng)
+        losses[f"e{i}"] = train(
+            model, tokenizer, domain, args.expert_steps, args.expert_lr, 16, rng, args.expert_optimizer
+        )
         experts.append(save(f"e{i}"))
         expert_domains.append(domain)
     for name, seed in (("heldout", 10_000), ("test", 20_000)):
         texts = held_out(args.eval_texts, args.seed + seed)
         (root / f"{name}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     files = [p for e in experts for p in Path(e).glob("*.safetensors")]
+    block = parse_size(args.block_size, key="--block-size")
     return {
+        "energy_in_top_10pct_blocks": [round(top_energy(base, e, block, 0.10), 4) for e in experts],
         "base": base,
         "experts": experts,
         "expert_domains": expert_domains,
@@ -210,6 +228,24 @@ def make_family(root: Path, args) -> dict:
         "expert_bytes": sum(p.stat().st_size for p in files),
         "train_loss_last_batch": {k: round(v, 4) for k, v in losses.items()},
     }
+
+
+def top_energy(base: str, expert: str, block_bytes: int, share: float) -> float:
+    """The share of an expert's delta energy (sum of squares) in its `share` of blocks with the
+    most: blocks as contiguous block_bytes of each tensor (how concentrated the delta is, what a
+    budgeted plan can capture)."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    b, e = load_file(str(Path(base) / "model.safetensors")), load_file(str(Path(expert) / "model.safetensors"))
+    energies = []
+    for name, x in e.items():
+        d = (x.astype(np.float64) - b[name].astype(np.float64)).ravel()
+        n = max(1, block_bytes // x.itemsize)
+        pad = (-d.size) % n
+        energies.append(np.square(np.pad(d, (0, pad))).reshape(-1, n).sum(axis=1))
+    all_ = np.sort(np.concatenate(energies))[::-1]
+    return float(all_[: max(1, int(share * all_.size))].sum() / all_.sum())
 
 
 # Runs ---------------------------------------------------------------------------------------------
@@ -253,6 +289,10 @@ def index_config(path: Path, base: str, experts: list[str], args) -> Path:
     return path
 
 
+FAMILY_ARGS = (
+    "experts", "layers", "hidden", "intermediate", "heads", "base_steps", "expert_steps", "base_lr", "expert_lr",
+    "expert_optimizer", "eval_texts", "seed", "block_size",
+)  # fmt: skip
 PROGRESS = re.compile(r"(trial \d+: .*|base model: .*|publishing .*|checking the evaluation .*)")
 
 
@@ -384,6 +424,7 @@ def summarize(name: str, sampler: str, budget: str, trials: int, proc: dict, wir
         {
             "trial": r["trial"],
             "score": r.get("score"),
+            "error_bound": r.get("error_bound"),
             "merge_s": round(r.get("merge_seconds") or 0, 2),
             "eval_s": round(r.get("eval_seconds") or 0, 2),
             "input_mb": round((r.get("input_bytes_read") or 0) / MB, 2),
@@ -550,9 +591,11 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--intermediate", type=int, default=1536)
     ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--base-steps", type=int, default=60, help="training steps of the base, on every domain")
+    ap.add_argument("--base-steps", type=int, default=100, help="training steps of the base, on every domain")
     ap.add_argument("--expert-steps", type=int, default=30, help="further steps of each expert, on its domain")
-    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--base-lr", type=float, default=1e-3)
+    ap.add_argument("--expert-optimizer", default="sgd", choices=("sgd", "adamw"))
+    ap.add_argument("--expert-lr", type=float, default=0.02)
     ap.add_argument("--eval-texts", type=int, default=48, help="held-out texts the search scores on")
     ap.add_argument("--block-size", default="128KiB")
     ap.add_argument("--trials", type=int, default=50, help="trials of each hub search")
@@ -578,13 +621,24 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="search-bench-"))
     work.mkdir(parents=True, exist_ok=True)
     say(f"work folder {work}; deadline in {args.deadline_min:g} min")
-    t = time.perf_counter()
-    fam = make_family(work / "fam", args)
-    fam["generate_s"] = round(time.perf_counter() - t, 1)
+    recipe = {k: getattr(args, k) for k in FAMILY_ARGS}
+    saved = work / "fam" / "family.json"
+    if saved.exists() and json.loads(saved.read_text())["recipe"] == recipe:
+        fam = json.loads(saved.read_text())  # a kept --work folder's family, made by the same arguments
+        say("reusing the family in --work")
+        for run in work.iterdir():
+            if run.name != "fam":
+                shutil.rmtree(run)
+    else:
+        t = time.perf_counter()
+        fam = make_family(work / "fam", args)
+        fam["generate_s"] = round(time.perf_counter() - t, 1)
+        saved.write_text(json.dumps({**fam, "recipe": recipe}))
     say(
         f"family generated in {fam['generate_s']} s: {fam['params'] / 1e6:.1f} M parameters, "
         f"{fam['model_bytes'] / MB:.1f} MB per model, {fam['expert_bytes'] / MB:.1f} MB of expert files; "
-        f"last training losses {fam['train_loss_last_batch']}"
+        f"last training losses {fam['train_loss_last_batch']}; delta energy in the top 10% of blocks "
+        f"{fam['energy_in_top_10pct_blocks']}"
     )
 
     repos = [f"bench/base={fam['base']}"] + [f"bench/e{i}={e}" for i, e in enumerate(fam["experts"])]
@@ -702,7 +756,10 @@ def main() -> None:
         "machine": "2-core CPU VM, 24 GiB RAM, no GPU (timings vary up to 2x between runs)",
         "family": {
             k: fam[k]
-            for k in ("params", "model_bytes", "expert_bytes", "expert_domains", "generate_s", "train_loss_last_batch")
+            for k in (
+                "params", "model_bytes", "expert_bytes", "expert_domains", "generate_s", "train_loss_last_batch",
+                "energy_in_top_10pct_blocks",
+            )  # fmt: skip
         }
         | {
             "experts": args.experts,
@@ -712,6 +769,11 @@ def main() -> None:
             "heads": args.heads,
             "dtype": "float32",
             "eval_texts": args.eval_texts,
+            "base_steps": args.base_steps,
+            "expert_steps": args.expert_steps,
+            "base_lr": args.base_lr,
+            "expert_lr": args.expert_lr,
+            "expert_optimizer": args.expert_optimizer,
             "max_length": 64,
             "shares": SHARES,
         },
