@@ -131,6 +131,7 @@ def loss(family_model: str, data: str, **kw) -> Score:
     return s
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_experts_are_better_on_their_own_domain(family):
     expert_a, expert_b = family["experts"]
     base = {d: loss(family["base"], family[f"heldout_{d}"]).score for d in "ab"}
@@ -140,6 +141,7 @@ def test_experts_are_better_on_their_own_domain(family):
     assert a["a"] < base["a"] and b["b"] < base["b"]
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_score_is_the_mean_token_loss(family):
     s = loss(family["base"], family["heldout_mixed"])
     assert s.metrics["perplexity"] == pytest.approx(math.exp(s.score))
@@ -150,6 +152,7 @@ def test_score_is_the_mean_token_loss(family):
     assert again.score == s.score  # deterministic
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_samples_limits_the_texts(family):
     full = loss(family["base"], family["heldout_mixed"])
     few = loss(family["base"], family["heldout_mixed"], samples=5)
@@ -157,6 +160,7 @@ def test_samples_limits_the_texts(family):
     assert few.metrics["tokens"] < full.metrics["tokens"]
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_max_length_truncates(family):
     full = loss(family["base"], family["heldout_mixed"])
     short = loss(family["base"], family["heldout_mixed"], max_length=3)
@@ -164,12 +168,14 @@ def test_max_length_truncates(family):
     assert short.score != full.score
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_plain_text_and_json_lines_give_the_same_loss(family):
     jsonl = loss(family["base"], family["heldout_mixed"])
     text = loss(family["base"], family["heldout_mixed_txt"])
     assert text.score == jsonl.score and text.metrics == jsonl.metrics
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_json_array_and_other_field(family, tmp_path):
     texts = read_texts(PerplexityEvaluation(family["heldout_mixed"]))
     array = tmp_path / "texts.json"
@@ -181,6 +187,7 @@ def test_json_array_and_other_field(family, tmp_path):
     assert read_texts(PerplexityEvaluation(str(lines), field="body")) == texts
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_missing_or_empty_data_is_bad_input(family, tmp_path):
     missing = tmp_path / "nowhere.jsonl"
     with pytest.raises(BadInput, match="nowhere.jsonl: evaluation data not found"):
@@ -199,17 +206,20 @@ def test_missing_or_empty_data_is_bad_input(family, tmp_path):
         mean_loss(PerplexityEvaluation(str(broken)), family["base"])
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_without_transformers_is_bad_input(family, monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)
     with pytest.raises(BadInput, match=r"pip install 'mergepipe\[eval\]'"):
         mean_loss(PerplexityEvaluation(family["heldout_mixed"]), family["base"])
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_a_model_that_does_not_load_is_a_failed_score(family, tmp_path):
     s = mean_loss(PerplexityEvaluation(family["heldout_mixed"]), str(tmp_path))
     assert not s.ok and s.score is None and "cannot load the model" in s.error
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_nonfinite_weights_are_a_failed_score(family, tmp_path):
     import shutil
 
@@ -226,6 +236,7 @@ def test_nonfinite_weights_are_a_failed_score(family, tmp_path):
     assert not s.ok and s.score is None and "not finite" in s.error
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_masked_lm_scores_fixed_positions(tmp_path):
     pytest.importorskip("transformers")
     import torch
@@ -270,6 +281,7 @@ def test_masked_lm_scores_fixed_positions(tmp_path):
     assert s.score == pytest.approx(math.log(len(vocab)), rel=0.5)  # untrained: near uniform
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_unsupported_architecture_is_a_failed_score(family, tmp_path):
     import shutil
 
@@ -282,6 +294,7 @@ def test_unsupported_architecture_is_a_failed_score(family, tmp_path):
     assert not s.ok and "ForCausalLM" in s.error
 
 
+@pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_family_files(family):
     for folder in (family["base"], *family["experts"]):
         names = set(os.listdir(folder))

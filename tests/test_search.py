@@ -99,6 +99,7 @@ def rows(catalog: Path, query: str) -> list[tuple]:
         return con.execute(query).fetchall()
 
 
+@pytest.mark.slow
 def test_search_scores_trials_and_publishes_the_best(family, tmp_path, monkeypatch):
     monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
     monkeypatch.setenv("SCORER_FAIL", "trial-2")  # one trial's evaluation fails: the search goes on
@@ -221,6 +222,7 @@ def test_bad_ranges_exit_2_naming_the_key(family, tmp_path):
     assert not (tmp_path / "c.duckdb").exists() and not (tmp_path / "best").exists()
 
 
+@pytest.mark.slow
 def test_choices_and_grid_cover_the_space(family, tmp_path, monkeypatch):
     """A grid over a stepped range and a choice of method runs each point once."""
     monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
@@ -470,6 +472,7 @@ def test_the_block_cache_keeps_an_object_by_its_version_and_trims_the_least_rece
     assert old.held() == [[0, 100]] and new.held() == [] and not new.data.exists()
 
 
+@pytest.mark.slow
 def test_a_search_leaves_the_process_without_its_block_cache(family, tmp_path, monkeypatch):
     """The cache a search makes for itself is the search's only: later merges in the process
     read without it."""
