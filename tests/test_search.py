@@ -484,3 +484,43 @@ def test_a_search_leaves_the_process_without_its_block_cache(family, tmp_path, m
     r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb", "--scratch", str(tmp_path / "scratch"))
     assert r.exit_code == 0, r.output
     assert cache.ENV not in os.environ and (tmp_path / "scratch" / "cache").is_dir()
+
+
+def test_ranges_anywhere_a_parameter_is_set(family, tmp_path):
+    """A range per slice source, in a gradient's entries and in a filter's value: each place is
+    searched under its own dotted name, and a candidate puts each value back in its place."""
+    fam, _ = family
+    cfg = tmp_path / "s.yml"
+    doc = {
+        "merge_method": "task_arithmetic",
+        "slices": [
+            {
+                "sources": [
+                    {"model": str(fam.base), "layer_range": [0, 2]},
+                    {
+                        "model": str(fam.experts[0]),
+                        "layer_range": [0, 2],
+                        "parameters": {"weight": [0.1, {"search": [0.2, 0.8]}, 0.9]},
+                    },
+                    {
+                        "model": str(fam.experts[1]),
+                        "layer_range": [0, 2],
+                        "parameters": {"weight": [{"filter": "mlp", "value": {"search": [0.0, 1.0]}}, {"value": 0.5}]},
+                    },
+                ]
+            }
+        ],
+        "base_model": str(fam.base),
+        "search": {"evaluate": {"command": "true {model}"}},
+    }
+    cfg.write_text(yaml.safe_dump(doc))
+    spec = load_search(cfg)
+    names = [p.name for p in spec.params]
+    assert names == [
+        "slices[0].sources[1].parameters.weight[1]",
+        "slices[0].sources[2].parameters.weight[0].value",
+    ]
+    values = dict(zip(names, (0.25, 0.75)))
+    got = spec.candidate_spec(values).slices[0].sources
+    assert got[1].parameters.weight == [0.1, 0.25, 0.9]
+    assert spec.candidate(values)["slices"][0]["sources"][2]["parameters"]["weight"][0]["value"] == 0.75
