@@ -168,9 +168,8 @@ def make_family(root: Path, args) -> dict:
     """base/ and e0/ … e{K-1}/ (float32 safetensors, config, tokenizer); heldout.jsonl (the
     search's evaluation) and test.jsonl (the same mixture, other seeds)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     transformers.utils.logging.disable_progress_bar()
     root.mkdir(parents=True, exist_ok=True)
@@ -540,11 +539,11 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_xlabel("trial")
     ax.set_ylabel("mean token loss (lower is better)")
     ax.set_title("score per trial (hub runs); line: best so far")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2, loc="upper center")
     ys = [t["score"] for r in done if r["run"].startswith("hub") for t in r["per_trial"] if t["score"] is not None]
     if ys:
         lo = min(ys)
-        ax.set_ylim(lo - 0.05 * abs(lo), sorted(ys)[int(0.9 * (len(ys) - 1))] * 1.02)
+        ax.set_ylim(lo - 0.02 * abs(lo), sorted(ys)[int(0.9 * (len(ys) - 1))] * 1.06)
 
     names = [r["run"] for r in done]
     x = range(len(names))
@@ -615,7 +614,12 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="scratch folder (default: a temporary one)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder (the family, outputs, catalogs)")
     ap.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "search"))
+    ap.add_argument("--replot", action="store_true", help="only draw the PNG again from --results' results.json")
     args = ap.parse_args()
+    if args.replot:
+        out = Path(args.results)
+        plot(json.loads((out / "results.json").read_text())["runs"], out / "search_bench.png")
+        return
     deadline = T0 + args.deadline_min * 60
 
     work = Path(args.work or tempfile.mkdtemp(prefix="search-bench-"))
@@ -757,7 +761,12 @@ def main() -> None:
         "family": {
             k: fam[k]
             for k in (
-                "params", "model_bytes", "expert_bytes", "expert_domains", "generate_s", "train_loss_last_batch",
+                "params",
+                "model_bytes",
+                "expert_bytes",
+                "expert_domains",
+                "generate_s",
+                "train_loss_last_batch",
                 "energy_in_top_10pct_blocks",
             )  # fmt: skip
         }

@@ -231,9 +231,15 @@ def test_choices_and_grid_cover_the_space(family, tmp_path, monkeypatch):
     doc["merge_method"] = {"choice": ["task_arithmetic", "linear"]}
     doc["models"][0]["parameters"]["weight"] = {"search": [0.25, 0.75], "step": 0.5}
     doc["models"][1]["parameters"]["weight"] = 0.5
+    doc["search"]["budget"] = "100%"  # the trials' merges are the final ones: not merged again
     cfg.write_text(yaml.safe_dump(doc))
     r = run_search(cfg, tmp_path / "best", tmp_path / "c.duckdb")
     assert r.exit_code == 0, r.output
+    result = json.loads(r.stdout)
+    trials = {t["trial"]: t for t in result["trials"]}
+    assert len(result["finals"]) == 2
+    assert all(f["score"] == trials[f["trial"]]["score"] for f in result["finals"])
+    assert len((tmp_path / "scored.log").read_text().splitlines()) == 1 + 4  # the base and each trial, once
     seen = {
         (t["params"]["merge_method"], t["params"]["models[0].parameters.weight"])
         for t in json.loads(r.stdout)["trials"]

@@ -25,7 +25,7 @@ import yaml
 from mergepipe.catalog import study as studies
 from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
 from mergepipe.config.search import SearchSpec, candidate_yaml, load_search, load_spec_document
-from mergepipe.config.sizes import parse_size
+from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import LORA_JOIN, MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.flows.artifacts import artifact_key, create_table_artifact
@@ -440,9 +440,16 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
     rep.start("final", len(top), "merges")
     try:
         for r in top:
-            if r["trial"] not in finals:
+            if r["trial"] in finals:
+                pass
+            elif _same_budget(settings.budget, settings.final_budget):
+                # the trial's own merge was at the final budget: the same bytes, the same score
+                finals[r["trial"]] = {**r, "final": True, "finished_at": _now()}
+                run_task(record_trial, s.catalog, finals[r["trial"]])
+            else:
                 params = s.study.trials[r["trial"]].params
                 finals[r["trial"]] = run_candidate(s, r["trial"], params, settings.final_budget, True)
+                cache.trim(s.cache, s.cache_bound)  # the bound holds between final merges too
             rep.advance("final", 1)
     finally:
         rep.finish("final")
@@ -500,6 +507,11 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
         "trials": [_plain(r) for r in rows if not r["final"]],
         "finals": [_plain(r) for r in rows if r["final"]],
     }
+
+
+def _same_budget(a: str, b: str) -> bool:
+    x, y = parse_budget(a), parse_budget(b)
+    return x == y or (x.is_full and y.is_full)
 
 
 def _plain(row: dict) -> dict:
