@@ -530,3 +530,29 @@ def test_ranges_anywhere_a_parameter_is_set(family, tmp_path):
     got = spec.candidate_spec(values).slices[0].sources
     assert got[1].parameters.weight == [0.1, 0.25, 0.9]
     assert spec.candidate(values)["slices"][0]["sources"][2]["parameters"]["weight"][0]["value"] == 0.75
+
+
+def test_trials_left_running_are_told_or_queued_again():
+    """A trial whose process died: told its recorded result when it has one, else queued again
+    with its values; one asked but never claimed (its process died in between) too."""
+    import optuna
+
+    from mergepipe.catalog import study as studies
+
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), sampler=optuna.samplers.RandomSampler(0))
+    dead = "no-such-host:1"
+    recorded, lost, unclaimed = study.ask(), study.ask(), study.ask()
+    for t in (recorded, lost):
+        t.suggest_float("w", 0.0, 1.0)
+        t.set_user_attr(studies.OWNER, dead)
+        t.set_user_attr(studies.HEARTBEAT, 0.0)
+    rows = {recorded.number: {"state": "complete", "score": 0.5}}
+    assert studies.requeue_stale(study, rows.get, stale_after=3600) == [lost.number]  # the unclaimed one is young
+    assert studies.requeue_stale(study, rows.get, stale_after=0) == [unclaimed.number]
+    states = {t.number: t.state.name for t in study.trials}
+    assert states[recorded.number] == "COMPLETE" and study.trials[recorded.number].value == 0.5
+    assert states[lost.number] == "FAIL" and states[unclaimed.number] == "FAIL"
+    waiting = [t for t in study.trials if t.state.name == "WAITING"]
+    queued = [t.system_attrs.get("fixed_params", {}) for t in waiting]  # Optuna's record of enqueued values
+    assert queued == [study.trials[lost.number].params, {}]
+    assert len(studies.counted(study)) == 3  # the told one and the two queued again

@@ -186,11 +186,16 @@ def requeue_stale(study: Any, recorded: Callable[[int], dict | None], stale_afte
     now, done = time.time(), []
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         owner = t.user_attrs.get(OWNER)
-        if owner is None or owner == this_process():
+        if owner == this_process():
             continue
-        alive = _alive(owner)
-        if alive or (alive is None and now - float(t.user_attrs.get(HEARTBEAT, now)) < stale_after):
-            continue
+        if owner is None:  # its process died between asking and claiming it, or is about to claim it
+            started = t.datetime_start.timestamp() if t.datetime_start else now
+            if now - started < stale_after:
+                continue
+        else:
+            alive = _alive(owner)
+            if alive or (alive is None and now - float(t.user_attrs.get(HEARTBEAT, now)) < stale_after):
+                continue
         row = recorded(t.number)
         try:
             if row is not None and row["state"] == "complete":  # finished, but not told
