@@ -137,17 +137,16 @@ class SearchSpec:
             _put(doc, p.path, copy.deepcopy(values[p.name]))
         return doc
 
-    def candidate_spec(self, values: dict[str, Any], budget: str | None = None) -> MergeSpec:
+    def candidate_spec(self, values: dict[str, Any]) -> MergeSpec:
         """The candidate validated as a merge config is (models relative to the search config)."""
-        overrides = {"budget": budget, "max_error": None} if budget is not None else None
-        return load_spec_document(self.candidate(values), self.location, overrides)
+        return load_spec_document(self.candidate(values), self.location)
 
     def study_name(self, out: str) -> str:
         """The same search config and destination name the same study, so a run again resumes
         it; the trial count and parallelism may change between runs."""
         s = self.settings
-        key = {
-            "document": self.document,
+        key = {  # not the storage options: credentials may change between runs of one search
+            "document": {k: v for k, v in self.document.items() if k != "storage_options"},
             "params": [[p.name, repr(p.domain)] for p in self.params],
             "settings": [s.budget, s.sampler, s.seed, s.direction, repr(s.evaluate)],
             "out": out,
@@ -156,9 +155,9 @@ class SearchSpec:
         return f"mergepipe-search-{digest[:16]}"
 
 
-def load_spec_document(doc: dict, location: str, overrides: dict | None = None) -> MergeSpec:
+def load_spec_document(doc: dict, location: str) -> MergeSpec:
     """A config document validated and resolved as if it were the file at `location`."""
-    return load_spec(location, overrides, document=doc)
+    return load_spec(location, document=doc)
 
 
 def candidate_yaml(doc: dict) -> str:
