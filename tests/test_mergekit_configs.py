@@ -360,7 +360,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_docs_match_the_code(tmp_path):
-    """README's config example is valid, and docs/operators.md lists every operator with the
+    """README's config and search examples are valid, and docs/operators.md lists every operator with the
     bound the code reports for it."""
     import re
 
@@ -371,6 +371,12 @@ def test_docs_match_the_code(tmp_path):
     example = re.search(r"```yaml\n(merge_method:.*?)```", readme, re.S).group(1)
     (tmp_path / "c.yaml").write_text(example)
     check_parameters(load_spec(tmp_path / "c.yaml"))
+    # and the merge search's example (config.search.load_search checks each end of each range)
+    from mergepipe.config.search import load_search
+
+    search = re.search(r"```yaml\n# search\.yml\n(.*?)```", readme, re.S).group(1)
+    (tmp_path / "search.yml").write_text(search)
+    assert len(load_search(tmp_path / "search.yml").params) == 4
 
     rows = re.findall(
         r"^\| `(\w+)` \|.*\| (guaranteed|heuristic|none claimed) \|$",
