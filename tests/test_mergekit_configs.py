@@ -360,8 +360,8 @@ ROOT = Path(__file__).parent.parent
 
 
 def test_docs_match_the_code(tmp_path):
-    """README's config and search examples are valid, and docs/operators.md lists every operator with the
-    bound the code reports for it."""
+    """README's config and search examples are valid, and docs/operators.md lists every
+    operator with the bound the code reports for it."""
     import re
 
     from mergepipe.config.spec import check_parameters
