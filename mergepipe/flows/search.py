@@ -45,7 +45,6 @@ from mergepipe.tasks.search import evaluate_candidate, read_trials, record_trial
 log = logging.getLogger("mergepipe.search")
 
 SEARCH_KEY = "merge-search"
-REPORT_FILES = ("search.md", "search.json", "search.png")
 BASE_SCORE = "base_score"  # the study's record of the evaluation of the base model
 POLL_S = 2.0  # how often a process waiting on others' trials looks again
 
