@@ -413,7 +413,9 @@ def search(
     overwrite: bool = typer.Option(False, help="Replace an output already published at OUT."),
     memory: Optional[str] = MemoryOpt,
     catalog: Optional[str] = CatalogOpt,
-    runner: str = RunnerOpt,
+    runner: str = typer.Option(
+        "thread", "--runner", help="Where trials run: thread (this process), or dask (a task run per trial)."
+    ),
     dask_address: Optional[str] = DaskAddressOpt,
     cache: Optional[str] = typer.Option(
         None,

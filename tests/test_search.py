@@ -345,6 +345,31 @@ def test_a_search_as_a_prefect_flow_runs_trials_in_parallel(family, tmp_path, mo
 
 
 @pytest.mark.slow
+def test_trials_run_on_dask_workers(family, tmp_path, monkeypatch, prefect_flows):
+    """With runner "dask", each trial (its merge and its evaluation) is one task run on a worker
+    of a local cluster of `parallel` processes; the study stays in the search's process, which
+    publishes what the thread runner would."""
+    monkeypatch.setenv("SCORER_LOG", str(tmp_path / "scored.log"))
+    from mergepipe.flows.search import merge_search
+
+    cfg = search_config(tmp_path / "s.yml", family, trials=4, parallel=2)
+    result = merge_search(
+        config=str(cfg), out=str(tmp_path / "dask"), catalog=str(tmp_path / "c.duckdb"), runner="dask"
+    )
+    assert sorted(t["trial"] for t in result["trials"]) == list(range(4))
+    assert all(t["state"] == "complete" for t in result["trials"] + result["finals"])
+    here = f":{os.getpid()}"
+    workers = {r["worker"] for r in result["trials"] + result["finals"]}
+    assert workers and not any(w.endswith(here) for w in workers)  # none ran in this process
+    scored = (tmp_path / "scored.log").read_text().splitlines()
+    assert len(scored) == 1 + 4 + 2  # the base, each trial, each final: once each
+
+    threads = merge_search(config=str(cfg), out=str(tmp_path / "threads"), catalog=str(tmp_path / "t.duckdb"))
+    assert [t["merge_digest"] for t in threads["trials"]] == [t["merge_digest"] for t in result["trials"]]
+    assert threads["digest"] == result["digest"] and verify_output(tmp_path / "dask").ok
+
+
+@pytest.mark.slow
 def test_two_processes_share_one_search_over_s3_and_a_shared_catalog(family, s3, pg_catalog, tmp_path):
     """Two processes with homes of their own, one PostgreSQL catalog (where the study lives) and
     a family on S3 run one search: every trial runs once, one of them publishes, and the experts'

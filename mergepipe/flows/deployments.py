@@ -71,7 +71,7 @@ DEPLOYMENTS = [
         "mergepipe.flows.deployments:merge_search",
         "Search a config's ranges and choices with budgeted trial merges scored by its evaluation; the best merged "
         "again at the final budget and published to out (parameters: config, out, trials, parallel, report, scratch, "
-        "overwrite, catalog, runner, dask_address, memory). The same config and out again resume the search.",
+        "overwrite, catalog, runner, dask_address, memory, cache_size). The same config and out again resume the search.",
     ),
     DeploymentSpec(
         "merge-nightly",

@@ -30,7 +30,16 @@ from mergepipe.errors import BadInput
 from mergepipe.tasks import progress
 from mergepipe.tasks.declare import _in_process, call_with_retries, in_process, run_task
 
-__all__ = ["DeclaredFlow", "call_with_retries", "declare_flow", "in_process", "run_flow", "run_task", "use_prefect"]
+__all__ = [
+    "DeclaredFlow",
+    "call_in_process",
+    "call_with_retries",
+    "declare_flow",
+    "in_process",
+    "run_flow",
+    "run_task",
+    "use_prefect",
+]
 
 MODES = ("prefect", "local")
 # Where the flows' Prefect objects live as module attributes: deployments name them there.
@@ -142,13 +151,20 @@ def run_flow(flow: DeclaredFlow, **params: Any) -> Any:
     """Run a flow: a Prefect flow run, or its plain function in this process (in a copy of the
     caller's context, as a Prefect flow run is: the storage options it sets stay its own)."""
     if in_process() or not use_prefect(params.get("runner", "thread")):
-
-        def body() -> Any:
-            _in_process.set(True)
-            return flow.fn(**params)
-
-        return contextvars.copy_context().run(body)
+        return call_in_process(flow.fn, **params)
     return flow.prefect(**params)
+
+
+def call_in_process(fn: Callable, /, *args: Any, **kwargs: Any) -> Any:
+    """`fn` called as a flow runs without Prefect (the flows and tasks it runs are plain calls),
+    in a copy of the caller's context: a flow's function, or a whole search trial on a Dask
+    worker (its merge and evaluation inside the one task run)."""
+
+    def body() -> Any:
+        _in_process.set(True)
+        return fn(*args, **kwargs)
+
+    return contextvars.copy_context().run(body)
 
 
 def publish_artifact(create: Callable[..., Any], **kwargs: Any) -> None:

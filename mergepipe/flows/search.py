@@ -5,6 +5,7 @@ manifest, and a report of the whole search."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -12,9 +13,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, wait
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, as_completed, wait
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,13 +25,15 @@ import yaml
 
 from mergepipe.catalog import study as studies
 from mergepipe.config.environment import CatalogLocation, catalog_location, default_memory
+from mergepipe.config.request import Runner
 from mergepipe.config.search import SearchSpec, candidate_yaml, load_search, load_spec_document
 from mergepipe.config.sizes import parse_budget, parse_size
 from mergepipe.config.spec import LORA_JOIN, MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.flows.artifacts import artifact_key, create_table_artifact
 from mergepipe.flows.merge import merge
-from mergepipe.flows.orchestration import declare_flow, publish_artifact, run_flow, run_task
+from mergepipe.flows.orchestration import call_in_process, declare_flow, publish_artifact, run_flow, run_task
+from mergepipe.flows.runners import layer_task_runner
 from mergepipe.publish.manifest import load_manifest, verified_digest
 from mergepipe.publish.search_report import search_report, summary_rows
 from mergepipe.storage import cache
@@ -39,6 +42,7 @@ from mergepipe.storage.ledger import READ_ROLES
 from mergepipe.storage.location import ContextPool, is_remote, join
 from mergepipe.storage.writer import check_destination, write_file
 from mergepipe.tasks import progress
+from mergepipe.tasks.declare import declare_task
 from mergepipe.tasks.heartbeat import beating
 from mergepipe.tasks.search import evaluate_candidate, read_trials, record_trial
 
@@ -65,6 +69,11 @@ class Search:
     cache: Path | None = None  # the block cache, and the size it is trimmed to between trials
     cache_bound: int = 0
     study: Any = field(repr=False, default=None)
+
+    def __getstate__(self) -> dict:
+        # Sent to a Dask worker with each of its trials: the study stays in the search's
+        # process, which alone asks and tells it.
+        return {**self.__dict__, "study": None}
 
 
 def _now() -> datetime:
@@ -104,8 +113,10 @@ def merge_search(
         overwrite: Replace an output already published at `out`.
         catalog: The catalog (default: MERGEPIPE_CATALOG, else $MERGEPIPE_HOME/catalog.duckdb);
             the search's Optuna study lives beside it.
-        runner: Where each merge's layer groups run: "thread" or "dask".
-        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786.
+        runner: Where trials run: "thread" (this process's threads, each merge a subflow) or
+            "dask" (each trial, its merge and its evaluation one task run on a Dask worker).
+        dask_address: With runner "dask": the scheduler, such as tcp://scheduler:8786 (default:
+            a local cluster of `parallel` worker processes).
         memory: Memory for the trials in flight, all together (default: half the machine's).
         cache_size: The bound of the block cache that serves remote inputs' bytes read by one
             trial to the next (MERGEPIPE_CACHE, else SCRATCH/cache), a size such as 20GiB
@@ -113,10 +124,10 @@ def merge_search(
     """
     s = _open(config, out, trials, parallel, scratch, overwrite, catalog, runner, dask_address, memory)
     rep = progress.reporter()
-    with _block_cache(s, cache_size):
+    with _block_cache(s, cache_size), _trial_pool(s) as submit:
         _check_base(s, rep)
-        _run_trials(s, rep)
-        result = _finish(s, overwrite, rep)
+        _run_trials(s, rep, submit)
+        result = _finish(s, overwrite, rep, submit)
     shutil.rmtree(s.scratch, ignore_errors=True)  # each candidate's folder went when it was scored
     folder = Path(report) if report else default_report(s.out)
     folder.mkdir(parents=True, exist_ok=True)
@@ -221,6 +232,55 @@ def _check_base(s: Search, rep) -> None:
 
 # Trials ------------------------------------------------------------------------------------------
 
+Submit = Callable[[int, dict, str, bool], "Future[dict]"]
+
+
+@contextmanager
+def _trial_pool(s: Search) -> Iterator[Submit]:
+    """Where trials run, `parallel` at a time: on threads of this process (each merge a subflow,
+    each evaluation a task run, under Prefect), or with runner "dask" each trial one task run on
+    a Dask worker. A submit(number, params, budget, final) returns a future of the trial's row."""
+    parallel = s.spec.settings.parallel
+    with ExitStack() as stack:
+        dask = None
+        if s.runner == "dask":
+            dask = stack.enter_context(layer_task_runner(Runner("dask", s.dask_address), parallel))
+        pool = stack.enter_context(ContextPool(parallel, thread_name_prefix="trial"))
+
+        def submit(number: int, params: dict, budget: str, final: bool) -> Future[dict]:
+            if dask is None:
+                return pool.submit(run_candidate, s, number, params, budget, final)
+            return pool.submit(_on_dask, dask, s, number, params, budget, final)
+
+        yield submit
+
+
+@declare_task("search-trial", task_run_name="trial[{label}]")
+def search_trial(s: Search, number: int, params: dict, budget: str, final: bool, label: str) -> dict:
+    """A trial as one task run on a Dask worker: its merge (layer groups on the worker's threads)
+    and its evaluation run here without Prefect. The block cache is the worker's MERGEPIPE_CACHE,
+    else the search's folder (the same path on the worker's disk)."""
+    given = os.environ.get(cache.ENV)
+    if given is None and s.cache is not None:
+        os.environ[cache.ENV] = str(s.cache)
+    try:
+        here = dataclasses.replace(s, runner="thread", dask_address=None)
+        return call_in_process(run_candidate, here, number, params, budget, final)
+    finally:
+        if given is None:
+            os.environ.pop(cache.ENV, None)
+
+
+def _on_dask(dask: Any, s: Search, number: int, params: dict, budget: str, final: bool) -> dict:
+    label = f"{number}{'-final' if final else ''}"
+    given = {"s": s, "number": number, "params": params, "budget": budget, "final": final, "label": label}
+    try:
+        return dask.submit(search_trial.prefect, parameters=given).result()
+    except Exception as err:  # noqa: BLE001 - a worker lost or a task that could not run fails its trial
+        row = _new_row(s, number, params, budget, final)
+        row["error"] = f"worker: {type(err).__name__}: {err}"
+        return _recorded(s, row, s.scratch / _folder_name(number, final))
+
 
 def _memory_share(s: Search) -> str:
     return f"{max(1, s.memory // s.spec.settings.parallel)}B"
@@ -250,19 +310,9 @@ def _merge_candidate(s: Search, doc: dict, budget: str, out: str, config: Path, 
 def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool) -> dict:
     """One candidate: merged at `budget` into the scratch, evaluated, deleted; its row recorded
     in the catalog. A merge or an evaluation that fails makes a failed row, never an error."""
-    values = s.spec.values_at(params)
-    doc = s.spec.candidate(values)
-    folder = s.scratch / f"{'final' if final else 'trial'}-{number}"
-    row: dict[str, Any] = {
-        "search": s.name,
-        "trial": number,
-        "final": final,
-        "state": "failed",
-        "params_json": json.dumps(values, sort_keys=True, default=str),
-        "config_yaml": candidate_yaml(doc),
-        "budget": budget,
-        "worker": studies.this_process(),
-    }
+    doc = s.spec.candidate(s.spec.values_at(params))
+    folder = s.scratch / _folder_name(number, final)
+    row = _new_row(s, number, params, budget, final)
     t0 = time.perf_counter()
     try:
         merged = _merge_candidate(s, doc, budget, str(folder / "model"), folder / "candidate.yml")
@@ -295,14 +345,35 @@ def run_candidate(s: Search, number: int, params: dict, budget: str, final: bool
     return _recorded(s, row, folder)
 
 
+def _new_row(s: Search, number: int, params: dict, budget: str, final: bool) -> dict[str, Any]:
+    values = s.spec.values_at(params)
+    return {
+        "search": s.name,
+        "trial": number,
+        "final": final,
+        "state": "failed",
+        "params_json": json.dumps(values, sort_keys=True, default=str),
+        "config_yaml": candidate_yaml(s.spec.candidate(values)),
+        "budget": budget,
+        "worker": studies.this_process(),
+    }
+
+
+def _folder_name(number: int, final: bool) -> str:
+    return f"{'final' if final else 'trial'}-{number}"
+
+
 def _recorded(s: Search, row: dict, folder: Path) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     row["finished_at"] = _now()
     run_task(record_trial, s.catalog, row)
+    root = cache.cache_dir()  # this process's (a Dask worker's own), kept to the bound between trials
+    if root is not None:
+        cache.trim(root, s.cache_bound)  # skipped while another trial reads through it
     return row
 
 
-def _run_trials(s: Search, rep) -> None:
+def _run_trials(s: Search, rep, submit: Submit) -> None:
     """Ask the study for trials while fewer than the total have been asked for (by any process),
     `parallel` at a time, and tell it each result; then wait for the other processes' trials."""
     from optuna.trial import TrialState
@@ -321,7 +392,7 @@ def _run_trials(s: Search, rep) -> None:
             trial.set_user_attr(studies.HEARTBEAT, time.time())
 
     try:
-        with ContextPool(parallel, thread_name_prefix="trial") as pool, beating(beat, studies.HEARTBEAT_S, "trial"):
+        with beating(beat, studies.HEARTBEAT_S, "trial"):
             while True:
                 requeued = studies.requeue_stale(study, lambda n: _recorded_row(s, n))
                 if requeued:
@@ -331,7 +402,7 @@ def _run_trials(s: Search, rep) -> None:
                     if not studies.claim(study, trial, total):
                         break
                     params = studies.suggest(trial, s.spec)
-                    inflight[pool.submit(run_candidate, s, trial.number, params, settings.budget, False)] = trial
+                    inflight[submit(trial.number, params, settings.budget, False)] = trial
                 if not inflight:
                     running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING, TrialState.WAITING))
                     if not running:
@@ -348,7 +419,6 @@ def _run_trials(s: Search, rep) -> None:
                     stats["bytes"] += row.get("expert_bytes_read") or 0
                     rep.advance("trials", 1)
                     rep.note(_progress_line(s, row, stats))
-                    cache.trim(s.cache, s.cache_bound)  # skipped while a trial reads through it
     finally:
         rep.finish("trials")
 
@@ -406,7 +476,7 @@ def _best(study: Any) -> Any:
 # Final merges, the published output -------------------------------------------------------------
 
 
-def _finish(s: Search, overwrite: bool, rep) -> dict:
+def _finish(s: Search, overwrite: bool, rep, submit: Submit) -> dict:
     """Merge the top_k trials again at the final budget, evaluate them, and publish the best to
     `out`; one process does it while others wait (the lease beside the output's), and those
     find it done."""
@@ -419,12 +489,12 @@ def _finish(s: Search, overwrite: bool, rep) -> dict:
             time.sleep(POLL_S)
     try:
         with beating(lease.beat, 60.0, "search-lease"):
-            return _finals(s, overwrite, rep)
+            return _finals(s, overwrite, rep, submit)
     finally:
         lease.release()
 
 
-def _finals(s: Search, overwrite: bool, rep) -> dict:
+def _finals(s: Search, overwrite: bool, rep, submit: Submit) -> dict:
     settings = s.spec.settings
     rows = run_task(read_trials, s.catalog, s.name)
     trials = [r for r in rows if not r["final"]]
@@ -438,18 +508,21 @@ def _finals(s: Search, overwrite: bool, rep) -> dict:
     finals = {r["trial"]: r for r in rows if r["final"]}
     rep.start("final", len(top), "merges")
     try:
-        for r in top:
-            if r["trial"] in finals:
-                pass
-            elif _same_budget(settings.budget, settings.final_budget):
-                # the trial's own merge was at the final budget: the same bytes, the same score
+        rep.advance("final", sum(r["trial"] in finals for r in top))
+        todo = [r for r in top if r["trial"] not in finals]
+        if _same_budget(settings.budget, settings.final_budget):
+            for r in todo:  # the trial's own merge was at the final budget: the same bytes, the same score
                 finals[r["trial"]] = {**r, "final": True, "finished_at": _now()}
                 run_task(record_trial, s.catalog, finals[r["trial"]])
-            else:
-                params = s.study.trials[r["trial"]].params
-                finals[r["trial"]] = run_candidate(s, r["trial"], params, settings.final_budget, True)
-                cache.trim(s.cache, s.cache_bound)  # the bound holds between final merges too
-            rep.advance("final", 1)
+                rep.advance("final", 1)
+        else:  # `parallel` at a time, as the trials ran
+            running = {
+                submit(r["trial"], s.study.trials[r["trial"]].params, settings.final_budget, True): r["trial"]
+                for r in todo
+            }
+            for f in as_completed(running):
+                finals[running[f]] = f.result()
+                rep.advance("final", 1)
     finally:
         rep.finish("final")
     ok = [finals[r["trial"]] for r in top if finals[r["trial"]]["state"] == "complete"]
