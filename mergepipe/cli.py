@@ -44,6 +44,12 @@ JsonOpt = typer.Option(False, "--json", help="Print one JSON object instead of t
 BudgetOpt = typer.Option(
     None, help="Expert bytes to read, always with a unit: a share (10%) or bytes (512MiB, 2GB, 4096B)."
 )
+RankByOpt = typer.Option(
+    None,
+    "--rank-by",
+    help="How the planner values blocks (default: the config's rank_by): delta, delta_over_sqrt_base, or "
+    "activation (after `mergepipe calibrate`).",
+)
 AllowEmptyOpt = typer.Option(
     False, "--allow-empty", help="Merge even when the budget admits no expert block (the output is then the base)."
 )
@@ -223,19 +229,28 @@ def plan(
     allow_empty: bool = AllowEmptyOpt,
     memory: Optional[str] = MemoryOpt,
     catalog: Optional[str] = CatalogOpt,
+    rank_by: Optional[str] = RankByOpt,
+    compare: Optional[str] = typer.Option(
+        None, "--compare", help="Another ranking: show how its access set at the same budget differs, per tensor kind."
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Plan a merge and explain it: per layer and expert, bytes read and delta energy captured."""
 
     def go() -> dict:
         args = dict(
-            budget=budget, max_error=max_error, catalog=_catalog(catalog), allow_empty=allow_empty, memory=memory
+            budget=budget,
+            max_error=max_error,
+            catalog=_catalog(catalog),
+            allow_empty=allow_empty,
+            memory=memory,
+            rank_by=_rank_by(rank_by, "--rank-by"),
         )
         _request(config, **args)
         from mergepipe.flows.merge import plan as plan_flow
         from mergepipe.flows.orchestration import run_flow
 
-        return run_flow(plan_flow, config=str(config), **args)
+        return run_flow(plan_flow, config=str(config), compare=_rank_by(compare, "--compare"), **args)
 
     result = run_command(go)
     for warning in result["warnings"]:
@@ -256,6 +271,9 @@ def plan(
         f"(full {_mib(result['full_expert_bytes'])}); error bound {result['error_bound']:.6g}"
         + ("" if result["bound_guaranteed"] else " (heuristic)")
     )
+    out_console.print(_ranking_line(result["ranking"]))
+    if "compare" in result:
+        _print_compare(result["compare"])
     mem = result["memory"]
     if "predicted_peak" in mem:
         out_console.print(
@@ -267,6 +285,38 @@ def plan(
                 else ""
             )
         )
+
+
+_RANKINGS = ("delta", "delta_over_sqrt_base", "activation")
+
+
+def _rank_by(value: Optional[str], option: str) -> Optional[str]:
+    if value is not None and value not in _RANKINGS:
+        raise BadInput(f"{option}: unknown ranking {value!r} (one of: {', '.join(_RANKINGS)})")
+    return value
+
+
+def _ranking_line(ranking: dict) -> str:
+    line = f"ranked by {ranking.get('rank_by', 'delta')}"
+    if "calibration" in ranking:
+        line += f" (calibration {ranking['calibration'][:12]} of {ranking['calibration_data']})"
+    if "omitted_output_energy" in ranking:
+        line += f"; predicted output energy left out {ranking['omitted_output_energy']:.6g}"
+    return line
+
+
+def _print_compare(compare: dict) -> None:
+    first, second = compare["rank_by"]
+    t = Table(title=f"access sets: {first} against {second}")
+    for col in ("tensor kind", first, second, "both", f"only {first}", f"only {second}"):
+        t.add_column(col, justify="left" if col == "tensor kind" else "right")
+    for row in compare["by_kind"]:
+        t.add_row(
+            row["kind"],
+            *(_mib(row[k]) for k in ("first_bytes", "second_bytes", "both_bytes", "first_only", "second_only")),
+        )
+    out_console.print(t)
+    out_console.print(f"{second}: error bound {compare['error_bound']:.6g}; " + _ranking_line(compare["ranking"]))
 
 
 @app.command()
@@ -282,6 +332,7 @@ def merge(
     runner: str = RunnerOpt,
     dask_address: Optional[str] = DaskAddressOpt,
     cache: Optional[str] = CacheOpt,
+    rank_by: Optional[str] = RankByOpt,
     no_model_card: bool = typer.Option(
         False, "--no-model-card", help="Write no README.md model card (as the config's write_model_card: false)."
     ),
@@ -312,16 +363,21 @@ def merge(
         from mergepipe.flows.orchestration import run_flow
 
         if intermediate_dir is not None:
-            if allow_empty:
-                raise BadInput("--allow-empty: give it in the stages' documents (allow_empty: true)")
+            for given, option, key in (
+                (allow_empty, "--allow-empty", "allow_empty: true"),
+                (rank_by, "--rank-by", "rank_by"),
+            ):
+                if given:
+                    raise BadInput(f"{option}: give it in the stages' documents ({key})")
             _request(config, intermediate_dir=intermediate_dir, **args)  # the final stage, checked first
             from mergepipe.flows.stages import merge_stages
 
             return run_flow(merge_stages, config=str(config), intermediate_dir=intermediate_dir, **args)
-        _request(config, allow_empty=allow_empty, **args)
+        ranking = _rank_by(rank_by, "--rank-by")
+        _request(config, allow_empty=allow_empty, rank_by=ranking, **args)
         from mergepipe.flows.merge import merge as merge_flow
 
-        return run_flow(merge_flow, config=str(config), allow_empty=allow_empty, **args)
+        return run_flow(merge_flow, config=str(config), allow_empty=allow_empty, rank_by=ranking, **args)
 
     result = run_command(go)
     _print_json(result) if as_json else _print_merge(result, "merge")
@@ -391,6 +447,56 @@ def sweep(
         t.add_row(*(fmt(r[k]) if r.get(k) is not None else "–" for k, _, fmt in SWEEP_COLUMNS))
     out_console.print(t)
     out_console.print(f"report: {result['report']}/sweep.{{json,md,png}}", highlight=False)
+
+
+@app.command()
+def calibrate(
+    config: str = ConfigArg,
+    data: str = typer.Option(
+        ...,
+        "--data",
+        help="Calibration texts: JSON Lines (--field), a JSON array, or one text per line; local or s3://.",
+    ),
+    field: str = typer.Option("text", "--field", help="The JSON key holding each text."),
+    samples: Optional[int] = typer.Option(None, "--samples", help="Use the first N texts (default: all)."),
+    max_length: int = typer.Option(512, "--max-length", help="Cut each text to this many tokens."),
+    catalog: Optional[str] = CatalogOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Run the config's base over texts and keep, per weight tensor, what rank_by: activation
+    weighs its delta blocks by (linear layers' input moments, the embedding's token frequencies)."""
+
+    def go() -> dict:
+        _request(config, catalog=_catalog(catalog))
+        from mergepipe.flows.calibrate import calibrate as calibrate_flow
+        from mergepipe.flows.orchestration import run_flow
+
+        return run_flow(
+            calibrate_flow,
+            config=str(config),
+            data=data,
+            field=field,
+            samples=samples,
+            max_length=max_length,
+            catalog=_catalog(catalog),
+        )
+
+    result = run_command(go)
+    if as_json:
+        _print_json(result)
+        return
+    if not result["calibrated"]:
+        out_console.print(
+            f"already calibrated: {result['base']} on {result['data_uri']} ({result['data_digest'][:12]}, "
+            f"{result['texts']} texts, {result['tokens']} tokens)"
+        )
+        return
+    out_console.print(
+        f"calibrated {result['base']} on {result['texts']} texts ({result['tokens']} tokens) in "
+        f"{result['seconds']:.1f} s on {result['device']}: {result['tensors']['input']} linear weights, "
+        f"{result['tensors']['token']} embeddings; {result['uncalibrated_tensors']} tensors keep the data-free "
+        f"ranking; calibration {result['data_digest'][:12]}"
+    )
 
 
 @app.command()

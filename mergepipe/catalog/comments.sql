@@ -189,3 +189,38 @@ COMMENT ON COLUMN search_trials.eval_seconds IS 'wall seconds of the evaluation'
 COMMENT ON COLUMN search_trials.merge_digest IS 'the candidate''s digest';
 COMMENT ON COLUMN search_trials.worker IS 'host:pid of the process that ran it';
 COMMENT ON COLUMN search_trials.finished_at IS 'when it finished (UTC)';
+
+COMMENT ON TABLE calibrations IS 'the base models run over calibration texts (mergepipe calibrate), for rank_by: activation';
+COMMENT ON COLUMN calibrations.base_fp IS 'the base calibrated (models.model_fp)';
+COMMENT ON COLUMN calibrations.data_digest IS 'SHA-256 of the texts used and max_length: the calibration''s key beside the base';
+COMMENT ON COLUMN calibrations.data_uri IS 'where the texts were read from';
+COMMENT ON COLUMN calibrations.texts IS 'texts run';
+COMMENT ON COLUMN calibrations.tokens IS 'tokens run';
+COMMENT ON COLUMN calibrations.max_length IS 'each text cut to this many tokens';
+COMMENT ON COLUMN calibrations.device IS 'cuda or cpu';
+COMMENT ON COLUMN calibrations.seconds IS 'wall seconds of loading and running the base';
+COMMENT ON COLUMN calibrations.created_at IS 'when (UTC)';
+
+COMMENT ON TABLE calibration_weights IS 'per base tensor a calibration reached: the weights of its delta''s energy';
+COMMENT ON COLUMN calibration_weights.base_fp IS 'the base (calibrations.base_fp)';
+COMMENT ON COLUMN calibration_weights.data_digest IS 'the calibration (calibrations.data_digest)';
+COMMENT ON COLUMN calibration_weights.tensor IS 'the base''s tensor';
+COMMENT ON COLUMN calibration_weights.kind IS 'input: E[x_j^2] of the input channels of the linear layer using it (its columns); token: each row''s token frequency (an embedding)';
+COMMENT ON COLUMN calibration_weights.n IS 'how many weights (columns, or rows)';
+COMMENT ON COLUMN calibration_weights.weights IS 'n float64, little-endian';
+
+COMMENT ON TABLE activation_stats IS 'per (expert, block) of a calibrated tensor: the predicted output energy of its delta';
+COMMENT ON COLUMN activation_stats.base_fp IS 'the base the delta is taken against';
+COMMENT ON COLUMN activation_stats.expert_fp IS 'the expert';
+COMMENT ON COLUMN activation_stats.block_size IS 'the block size of the layout (blocks.block_size)';
+COMMENT ON COLUMN activation_stats.data_digest IS 'the calibration (calibrations.data_digest)';
+COMMENT ON COLUMN activation_stats.tensor IS 'the tensor';
+COMMENT ON COLUMN activation_stats.block IS 'the block (blocks.block)';
+COMMENT ON COLUMN activation_stats.act_sq IS 'sum over rows r and columns j of delta[r,j]^2 * (E[x_j^2] + frequency of row r), in fp64';
+
+COMMENT ON TABLE activation_sets IS 'experts whose activation_stats under a calibration are complete';
+COMMENT ON COLUMN activation_sets.base_fp IS 'the base';
+COMMENT ON COLUMN activation_sets.expert_fp IS 'the expert';
+COMMENT ON COLUMN activation_sets.block_size IS 'the block size';
+COMMENT ON COLUMN activation_sets.data_digest IS 'the calibration';
+COMMENT ON COLUMN activation_sets.computed_at IS 'when (UTC)';

@@ -23,12 +23,14 @@ def rank_candidates(
     *,
     skip_zero: bool,
     rank_by: str = "delta",
+    calibration: str = "",
     energy_share: bool = False,
 ) -> int:
     """Build the temp table plan_candidates from each expert's coefficient per tensor (filters
     and gradients make it vary); returns how many pairs are worth reading. With skip_zero, a
     pair whose coefficient is 0 is not worth reading. rank_by: the value ranked per byte
-    (planner.sql); 'delta_over_sqrt_base' needs the base's block energies. energy_share: each
+    (planner.sql); 'delta_over_sqrt_base' needs the base's block energies, 'activation' the
+    experts' activation energies under `calibration` (a data digest). energy_share: each
     coefficient is weighted by the expert's share of the tensor's delta energy (sce,
     energy_share.sql) before the ranking."""
     if rank_by == "delta_over_sqrt_base":
@@ -60,7 +62,13 @@ def rank_candidates(
             con.register("plan_coefficients_in", table)
         con.execute(
             sql_text("planner.sql"),
-            {"base_fp": base_fp, "block_size": block_size, "skip_zero": skip_zero, "rank_by": rank_by},
+            {
+                "base_fp": base_fp,
+                "block_size": block_size,
+                "skip_zero": skip_zero,
+                "rank_by": rank_by,
+                "calibration": calibration,
+            },
         )
     finally:
         con.unregister("plan_coefficients_in")
@@ -152,6 +160,14 @@ def nonzero_bounds(
     for expert, tensor, at_most in sorted(rows, key=lambda r: (r[1], r[0])):
         out.setdefault(tensor, [None] * len(expert_fps))[expert] = None if at_most is None else int(at_most)
     return out
+
+
+def omitted_output_energy(con: duckdb.DuckDBPyConnection) -> float:
+    """The predicted output energy of the pairs the selection leaves out: the sum of their
+    out_sq (planner.sql), the second figure of a plan ranked by activation."""
+    return float(
+        con.execute("SELECT coalesce(sum(out_sq), 0) FROM plan_candidates WHERE NOT selected").fetchall()[0][0]
+    )
 
 
 def smallest_candidate(con: duckdb.DuckDBPyConnection) -> int | None:

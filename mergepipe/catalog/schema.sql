@@ -185,3 +185,52 @@ CREATE TABLE IF NOT EXISTS search_trials (
     finished_at        TIMESTAMP NOT NULL,
     PRIMARY KEY (search, trial, final)
 );
+
+-- Calibrations of a base (`mergepipe calibrate`): the base run over a set of texts, keyed by the
+-- base's fingerprint and the texts' digest. One serves every expert and every later merge of
+-- that base, on any machine sharing the catalog.
+CREATE TABLE IF NOT EXISTS calibrations (
+    base_fp      VARCHAR NOT NULL,
+    data_digest  VARCHAR NOT NULL,
+    data_uri     VARCHAR NOT NULL,
+    texts        INTEGER NOT NULL,
+    tokens       BIGINT NOT NULL,
+    max_length   INTEGER NOT NULL,
+    device       VARCHAR NOT NULL,
+    seconds      DOUBLE NOT NULL,
+    created_at   TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    PRIMARY KEY (base_fp, data_digest)
+);
+
+-- Per base tensor a calibration reached: the input channels' second moments of the linear
+-- layer that uses it, or the token frequencies of the embedding that it is.
+CREATE TABLE IF NOT EXISTS calibration_weights (
+    base_fp      VARCHAR NOT NULL,
+    data_digest  VARCHAR NOT NULL,
+    tensor       VARCHAR NOT NULL,
+    kind         VARCHAR NOT NULL,  -- input | token
+    n            BIGINT NOT NULL,
+    weights      BLOB NOT NULL,     -- n float64, little-endian
+    PRIMARY KEY (base_fp, data_digest, tensor, kind)
+);
+
+-- Per (expert, block) of a tensor a calibration reached: the delta block's activation-weighted
+-- energy. An activation_sets row is written with them, as stat_sets is with block_stats.
+CREATE TABLE IF NOT EXISTS activation_stats (
+    base_fp      VARCHAR NOT NULL,
+    expert_fp    VARCHAR NOT NULL,
+    block_size   BIGINT NOT NULL,
+    data_digest  VARCHAR NOT NULL,
+    tensor       VARCHAR NOT NULL,
+    block        INTEGER NOT NULL,
+    act_sq       DOUBLE NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS activation_sets (
+    base_fp      VARCHAR NOT NULL,
+    expert_fp    VARCHAR NOT NULL,
+    block_size   BIGINT NOT NULL,
+    data_digest  VARCHAR NOT NULL,
+    computed_at  TIMESTAMP NOT NULL DEFAULT current_timestamp,
+    PRIMARY KEY (base_fp, expert_fp, block_size, data_digest)
+);

@@ -100,13 +100,14 @@ def build_request(
     stage: str | None = None,
     intermediate_dir: str | None = None,
     record: dict | None = None,
+    rank_by: str | None = None,
 ) -> MergeRequest:
     """Validate a command's input once: `config` is a config location (local or s3://) or an
     already validated spec (a replay's, from its manifest). The spec's storage options are set
     for the calling context (each flow runs in a context of its own: flows.orchestration).
     `budget` or `max_error` replaces the config's; `allow_empty` (--allow-empty) sets the
     config's allow_empty; `model_card=False` (--no-model-card) sets its write_model_card to
-    false. With `intermediate_dir` the config may hold stages (config/stages.py): `stage`'s
+    false; `rank_by` replaces the config's. With `intermediate_dir` the config may hold stages (config/stages.py): `stage`'s
     document (None: the final one) is the merge. With `out`, the destination is checked (not
     existing unless `overwrite`, not overlapping an input) with the config's storage options."""
     if budget is not None and max_error is not None:
@@ -128,6 +129,8 @@ def build_request(
             overrides["allow_empty"] = True
         if not model_card:
             overrides["write_model_card"] = False
+        if rank_by is not None:
+            overrides["rank_by"] = rank_by
         with storage_options(None):  # the config itself is read with the environment's credentials
             spec, location = load_spec(config, overrides, stage, intermediate_dir), str(config)
         set_storage_options(spec.storage_options)

@@ -314,9 +314,14 @@ class MergeSpec(_Strict):
     seed: int = 0
     # How the planner values reading an (expert, block) pair, per byte: `delta` is |c|·‖Δ‖, the
     # pair's term in the error bound; `delta_over_sqrt_base` divides it by √‖θ₀‖ of the base
-    # block, which kept the held-out loss lower on real fine-tunes (docs/benchmarks.md). Either
-    # way the bound is computed on what the plan leaves out, so it holds.
-    rank_by: Literal["delta", "delta_over_sqrt_base"] = "delta"
+    # block, which kept the held-out loss lower on real fine-tunes (docs/benchmarks.md);
+    # `activation` is |c|·√(Σ Δ[r,j]²·(E[x_j²] + f_r)), the energy the delta adds to the layer's
+    # output on a calibration's texts (`mergepipe calibrate`). Either way the bound is computed
+    # on what the plan leaves out, so it holds.
+    rank_by: Literal["delta", "delta_over_sqrt_base", "activation"] = "delta"
+    # With rank_by: activation, which calibration of the base: its data's location as calibrated,
+    # or a prefix of its digest (default: the base's one calibration).
+    calibration: str | None = None
     # Merge experts whose deltas hold NaN or Inf (refused by default). Their blocks are always
     # read, whatever the budget. A permission, not a parameter: it never changes the output.
     allow_nonfinite: bool = False
@@ -526,6 +531,7 @@ class MergeSpec(_Strict):
             "tokenizer",
             "hub",
             "write_model_card",
+            "calibration",  # a location; the plan records the calibration's digest and its access set
         }
         # Keys that enter only when set, so that digests from before they existed still hold.
         exclude |= {"rank_by"} if self.rank_by == "delta" else set()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from mergepipe import torch
+from mergepipe.catalog.calibration import CalibrationRow
 from mergepipe.config.environment import CatalogLocation, worker_count
 from mergepipe.config.request import MergeRequest
 from mergepipe.config.spec import MergeSpec, expert_label
@@ -29,6 +30,7 @@ from mergepipe.index.stats import StatsResult, first_nonfinite
 from mergepipe.plan import saved
 from mergepipe.plan.choose import reads_every_block
 from mergepipe.plan.params import resolve_tensor_params
+from mergepipe.plan.ranking import choose_calibration
 from mergepipe.plan.record import Plan
 from mergepipe.publish.manifest import MANIFEST_FILE, load_manifest, versions
 from mergepipe.storage.hub import commit_roots
@@ -36,6 +38,7 @@ from mergepipe.storage.ledger import ByteLedger, request_counts
 from mergepipe.storage.location import join
 from mergepipe.storage.staging import staging_at
 from mergepipe.tasks import progress
+from mergepipe.tasks.calibrate import ingest_activation_stats, load_calibration, look_up_calibrations
 from mergepipe.tasks.declare import freeze_long_lived
 from mergepipe.tasks.index import (
     claiming,
@@ -82,12 +85,15 @@ class IndexOutcome:
     held: ExitStack = field(default_factory=ExitStack)
 
 
-def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = False) -> IndexOutcome:
+def run_index(
+    spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = False, planned: bool = True
+) -> IndexOutcome:
     """Read the headers and index the experts the catalog lacks. With first_merge (a merge),
     experts not yet indexed are left to the merge when its plan reads every block anyway
     (plan.choose.reads_every_block): it indexes them from the bytes it reads, so no expert byte
     is read twice. Their claims are then held (the outcome's `held`, which the caller closes)
-    until the merge has recorded their statistics."""
+    until the merge has recorded their statistics. `planned`: whether a plan is chosen next (a
+    replay's comes from its manifest, so it needs no calibration to rank by)."""
     t0 = time.perf_counter()
     ledger = ByteLedger()
     family, rows = run_task(read_family_headers, input_views(spec))
@@ -98,6 +104,10 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
     resolve_tensor_params(spec, family.base.tensors)
     bs = spec.block_size_bytes
     known, content, energies = run_task(look_up_family, family, bs, catalog)
+    calibrated = _calibration(spec, family, catalog, planned)  # rank_by: activation without one stops here
+    weights, with_activation = (
+        run_task(load_calibration, catalog, family, bs, calibrated.data_digest) if calibrated else (None, set())
+    )
     # An expert needs its pass unless its statistics and content digest are both known; each
     # distinct file set is read once even if the config lists it twice.
     missing, seen = [], set()
@@ -116,11 +126,15 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
 
     def index_pass(positions: list[int]) -> None:
         nonlocal content, energies
-        result = _block_stats(family, positions, bs, ledger)
+        # With a calibration of the base, the pass weighs each delta block by it too.
+        result = _block_stats(family, positions, bs, ledger, weights if positions else None)
         problem = None if spec.allow_nonfinite else first_nonfinite(result, family)
         if problem:  # refused before ingestion: bad input leaves the catalog as it was
             raise BadInput(problem)
         run_task(ingest_block_stats, family, positions, bs, result, catalog)
+        if result.activation is not None:
+            run_task(ingest_activation_stats, catalog, family, positions, bs, calibrated.data_digest, result.activation)
+            with_activation.update(family.expert_fps()[i] for i in positions)
         content = {**content, **result.content}
         energies = True  # a pass records the base's block energies too
         indexed.extend(positions)
@@ -144,12 +158,50 @@ def run_index(spec: MergeSpec, catalog: CatalogLocation, *, first_merge: bool = 
     # reads the base once more (and no expert) to fill them in.
     if family.base_fp not in content or (spec.rank_by_needs_base and not energies):
         index_pass([])
+    if planned and spec.rank_by == "activation":
+        _weigh_indexed(family, calibrated, weights, with_activation, bs, catalog, ledger)
     return IndexOutcome(family, content, indexed, ledger, time.perf_counter() - t0)
 
 
-def _block_stats(family: Family, positions: list[int], block_size: int, ledger: ByteLedger) -> StatsResult:
+def _calibration(spec: MergeSpec, family: Family, catalog: CatalogLocation, planned: bool) -> CalibrationRow | None:
+    """The calibration the index pass weighs deltas by: the one the spec's ranking uses (none
+    there: BadInput naming the command to run), else the base's newest, if any."""
+    rows = run_task(look_up_calibrations, catalog, family.base_fp)
+    if planned and spec.rank_by == "activation":
+        return choose_calibration(rows, spec.calibration, family.base.uri)
+    return rows[0] if rows else None
+
+
+def _weigh_indexed(
+    family: Family,
+    calibrated: CalibrationRow,
+    weights: dict,
+    done: set[str],
+    block_size: int,
+    catalog: CatalogLocation,
+    ledger: ByteLedger,
+) -> None:
+    """Experts indexed before the calibration lack their activation energies under it: one more
+    statistics pass over them (and the base), which reads them whole once; later plans of this
+    base and calibration need none."""
+    fps, seen, todo = family.expert_fps(), set(), []
+    for i, fp in enumerate(fps):
+        if fp not in done and fp not in seen:
+            todo.append(i)
+            seen.add(fp)
+    if not todo:
+        return
+    log.info("weighing %d expert(s) by the calibration %s: one more pass over them", len(todo), calibrated.data_uri)
+    result = _block_stats(family, todo, block_size, ledger, weights)
+    run_task(ingest_activation_stats, catalog, family, todo, block_size, calibrated.data_digest, result.activation)
+    done.update(fps[i] for i in todo)
+
+
+def _block_stats(
+    family: Family, positions: list[int], block_size: int, ledger: ByteLedger, weights: dict | None = None
+) -> StatsResult:
     """The statistics pass over these experts (and the base), its reads counted in `ledger`."""
-    result, rows = run_task(compute_block_stats, family, positions, block_size)
+    result, rows = run_task(compute_block_stats, family, positions, block_size, weights)
     ledger.merge(rows)
     return result
 
@@ -441,6 +493,7 @@ def execute_plan(ex: Execution) -> dict:
         "cpu_kernels": run["cpu_kernels"],
         "error_bound": plan.error_bound,
         "bound_guaranteed": plan.bound_guaranteed,
+        "ranking": plan.ranking,
         "pairs": plan.n_pairs,
         "wall_seconds": time.perf_counter() - ex.t0,
         "timings": ex.timings,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
+from mergepipe.flows import calibrate as _calibrate
 from mergepipe.flows import index_family as _index_family
 from mergepipe.flows import merge as _merge
 from mergepipe.flows import replay as _replay
@@ -22,6 +23,7 @@ budget_sweep = _sweep.budget_sweep.prefect
 replay = _replay.replay.prefect
 merge_stages = _stages.merge_stages.prefect
 merge_search = _search.merge_search.prefect
+calibrate = _calibrate.calibrate.prefect
 
 WORK_POOL = "mergepipe-process"
 # The environment of every run (a work pool's job variables; `serve` sets it in its own): flow
@@ -51,7 +53,7 @@ DEPLOYMENTS = [
     DeploymentSpec(
         "merge",
         "mergepipe.flows.deployments:merge",
-        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory, model_card). "
+        "Index, plan and merge under a budget (parameters: config, out, budget or max_error, overwrite, catalog, runner, dask_address, allow_empty, memory, model_card, rank_by). "
         "{date}, {datetime} and {flow_run_name} in out become the run's scheduled date and time and its name.",
     ),
     DeploymentSpec(
@@ -72,6 +74,12 @@ DEPLOYMENTS = [
         "Search a config's ranges and choices with budgeted trial merges scored by its evaluation; the best merged "
         "again at the final budget and published to out (parameters: config, out, trials, parallel, report, scratch, "
         "overwrite, catalog, runner, dask_address, memory, cache_size). The same config and out again resume the search.",
+    ),
+    DeploymentSpec(
+        "calibrate",
+        "mergepipe.flows.deployments:calibrate",
+        "Run a config's base over calibration texts and keep what rank_by: activation weighs delta blocks by "
+        "(parameters: config, data, field, samples, max_length, catalog).",
     ),
     DeploymentSpec(
         "merge-nightly",

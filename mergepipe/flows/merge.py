@@ -18,6 +18,7 @@ from mergepipe.flows.common import Execution, FirstMerge, execute_plan, flow_run
 from mergepipe.flows.orchestration import declare_flow, in_process, run_task
 from mergepipe.plan import saved
 from mergepipe.plan.output import output_layout_of
+from mergepipe.plan.ranking import compare_access
 from mergepipe.tasks.merge import holding_output
 from mergepipe.tasks.plan import plan_first_merge, plan_merge
 
@@ -40,6 +41,8 @@ def plan(
     catalog: str | None = None,
     allow_empty: bool = False,
     memory: str | None = None,
+    rank_by: Literal["delta", "delta_over_sqrt_base", "activation"] | None = None,
+    compare: Literal["delta", "delta_over_sqrt_base", "activation"] | None = None,
 ) -> dict:
     """Plan a merge without running it: what it would read, its error bound and memory. A budget
     that admits no expert block is a warning here (a merge refuses it), and so is a memory budget
@@ -56,9 +59,19 @@ def plan(
         allow_empty: Plan even when the budget admits no expert block.
         memory: The merge process's memory budget, a size such as 8GiB (default: the config's
             `memory`, else half the machine's memory).
+        rank_by: How pairs are valued (default: the config's `rank_by`, else delta): delta,
+            delta_over_sqrt_base, or activation (needs `mergepipe calibrate` of the base).
+        compare: Another ranking to plan the same budget by: the result's `compare` gives, per
+            tensor kind, the bytes each access set reads and those only one of them reads.
     """
     request = build_request(
-        config, budget=budget, max_error=max_error, catalog=catalog, allow_empty=allow_empty, memory=memory
+        config,
+        budget=budget,
+        max_error=max_error,
+        catalog=catalog,
+        allow_empty=allow_empty,
+        memory=memory,
+        rank_by=rank_by,
     )
     outcome = run_index(request.spec, request.catalog)
     p, explain, saved_plan, warnings = run_task(
@@ -70,6 +83,18 @@ def plan(
     except BadInput as err:
         mem, warnings = {"memory_budget": request.memory}, [*warnings, str(err)]
     result = {**plan_result(p, request.spec, explain, saved_plan), "memory": mem, "warnings": warnings}
+    if compare is not None:
+        other = request.spec.model_copy(update={"rank_by": compare})
+        if compare == "activation":
+            run_index(other, request.catalog)  # its calibration, and the experts weighed by it
+        q, *_ = run_task(plan_merge, other, outcome.family, outcome.content, request.catalog, refuse_empty=False)
+        result["compare"] = {
+            "rank_by": [request.spec.rank_by, compare],
+            "ranking": q.ranking,
+            "error_bound": q.error_bound,
+            "expert_bytes_planned": q.expert_bytes_planned,
+            "by_kind": compare_access(p.access, q.access),
+        }
     plan_artifact(result)
     return result
 
@@ -91,6 +116,7 @@ def plan_result(p, spec: MergeSpec, explain: list[dict], saved_plan: saved.PlanR
         "planned_bytes_per_expert": p.planned_bytes,
         "error_bound": p.error_bound,
         "bound_guaranteed": p.bound_guaranteed,
+        "ranking": p.ranking,
         "pairs": p.n_pairs,
         "explain": explain,
     }
@@ -112,6 +138,7 @@ def merge(
     stage: str | None = None,
     intermediate_dir: str | None = None,
     record: dict | None = None,
+    rank_by: Literal["delta", "delta_over_sqrt_base", "activation"] | None = None,
 ) -> dict:
     """Index what is missing, plan under the budget, merge layer group by layer group, publish
     the output with its manifest and model card, and record the run.
@@ -141,6 +168,8 @@ def merge(
         intermediate_dir: Where a multi-document config's named stages are written.
         record: Facts recorded in the manifest's run beside the merge's own, under their keys
             (a merge search records its study, trial and scores so).
+        rank_by: How the planner values pairs (default: the config's `rank_by`, else delta):
+            delta, delta_over_sqrt_base, or activation (needs `mergepipe calibrate` of the base).
     """
     begin_attempt()
     t0 = time.perf_counter()
@@ -163,6 +192,7 @@ def merge(
         stage=stage,
         intermediate_dir=intermediate_dir,
         record=record,
+        rank_by=rank_by,
     )
     with holding_output(request.out, flow_run_id()):  # one run at a time works on an output
         return _index_plan_and_merge(request, started, t0)

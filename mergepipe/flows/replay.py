@@ -103,7 +103,7 @@ def _replay_stages(
 def _replay(request: MergeRequest, recorded: dict, manifest: str, started: str, t0: float) -> dict:
     spec, content = request.spec, recorded["content"]
     check_commits(spec.model_uris, recorded["run"].get("commits", []))  # before any byte is read
-    outcome = run_index(spec, request.catalog)
+    outcome = run_index(spec, request.catalog, planned=False)  # the access set is the manifest's
     fps = [outcome.family.base_fp, *outcome.family.expert_fps()]
     for want, fp, uri in zip(
         content["plan"]["inputs"], fps, [m.uri for m in [outcome.family.base, *outcome.family.experts]]

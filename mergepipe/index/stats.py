@@ -4,8 +4,10 @@ Per (expert, block): bytes, delta_sq = sum((x - b)^2) in fp64, max |delta|, the 
 elements that differ (as values, or as signed zeros), and the block's content hash (XXH3-128:
 it identifies a block's bytes, it guards nothing, and a cryptographic hash here cost more than
 the statistics). Per base block: its energy sum(b^2), for plans that rank a delta against the
-weights it changes. The same pass hashes every tensor with SHA-256, which gives each model a
-content digest that does not depend on where the files live or on the block size.
+weights it changes. With a calibration of the base, per (expert, block) of each tensor it
+reached: the delta's activation-weighted energy (weighted_energy). The same pass hashes every
+tensor with SHA-256, which gives each model a content digest that does not depend on where the
+files live or on the block size.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pyarrow.compute as pc
 import xxhash
 
 from mergepipe import torch
+from mergepipe.catalog.calibration import ACTIVATION_SCHEMA, TensorWeights
 from mergepipe.config.spec import expert_label
 from mergepipe.errors import BadInput
 from mergepipe.index.blocks import block_rows, layer_group, row_elems
@@ -100,14 +103,20 @@ def base_strip(raw, dtype: str, count: int, out: np.ndarray | None = None) -> tu
 
 
 def delta_strip(
-    base_raw, base_dtype: str, base64: np.ndarray, raw, dtype: str
+    base_raw,
+    base_dtype: str,
+    base64: np.ndarray,
+    raw,
+    dtype: str,
+    weigh: Callable[[np.ndarray], None] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per block of a strip (the expert's bytes `raw` of the blocks of `base64`, one after
     another): the sum of squares, max abs and count of differing elements of expert - base,
     in fp64. An element differs when its bits differ (so +0 against -0 counts, as reading it
     changes the output's bits). A block whose delta is NaN or Inf has no finite norm: it is
     recorded as +inf (at least one element differing), so the planner can never leave it out;
-    the config decides (allow_nonfinite) whether such a family may be merged at all."""
+    the config decides (allow_nonfinite) whether such a family may be merged at all. `weigh`,
+    where given, is handed the blocks' squared deltas (count, n) before they are summed."""
     count, n = base64.shape
     expert = decode(raw, dtype, (count, n))
     d = _widen(expert, _SCRATCH.get("delta", count * n))  # the steps below work in place
@@ -121,12 +130,41 @@ def delta_strip(
         signs = torch.signbit(expert) != torch.signbit(decode(base_raw, base_dtype, (count, n)))
         differs = np.count_nonzero((d != 0) | signs.numpy(), axis=1)
     max_abs = np.maximum(np.abs(d.max(axis=1)), np.abs(d.min(axis=1)))  # NaN in, NaN out
-    sq = np.square(d, out=d).sum(axis=1)
+    np.square(d, out=d)
+    if weigh is not None:
+        weigh(d)
+    sq = d.sum(axis=1)
     bad = ~(np.isfinite(sq) & np.isfinite(max_abs))
     if bad.any():
         sq[bad], max_abs[bad] = math.inf, math.inf
         differs = np.where(bad, np.maximum(differs, 1), differs)
     return sq, max_abs, differs.astype(np.int64)
+
+
+def weighted_energy(
+    squares: np.ndarray, names: list[str], rows: list[tuple[int, int]], weights: dict[str, TensorWeights]
+) -> np.ndarray:
+    """Per block (a row of `squares`: the squared delta of rows [r0, r1) of its tensor): the
+    sum over its rows r and columns j of delta[r, j]^2 * (E[x_j^2] + frequency of token r), the
+    expected energy its delta adds to the layer's output per token (its columns weighted where
+    a linear layer reads the tensor, its rows where an embedding looks them up). NaN where the
+    calibration did not reach the tensor, or its weights do not fit the block's shape. Summed
+    by numpy elementwise and pairwise, never through BLAS: the same bits on every CPU."""
+    out = np.full(len(names), np.nan)
+    for i, (name, (r0, r1)) in enumerate(zip(names, rows)):
+        w = weights.get(name)
+        if w is None or r1 <= r0:
+            continue
+        block = squares[i].reshape(r1 - r0, -1)
+        if (w.columns is not None and w.columns.size != block.shape[1]) or (w.rows is not None and w.rows.size < r1):
+            continue
+        energy = 0.0
+        if w.columns is not None:
+            energy += float(np.multiply(block, w.columns).sum())
+        if w.rows is not None:
+            energy += float(np.multiply(block.sum(axis=1), w.rows[r0:r1]).sum())
+        out[i] = energy
+    return out
 
 
 def block_hash(raw) -> str:
@@ -147,6 +185,8 @@ class StatsResult:
     stats: pa.Table
     blocks: pa.Table  # the base's block layout
     content: dict[str, str] = field(default_factory=dict)  # model fingerprint -> content digest
+    # With a calibration's weights: (expert_fp, tensor, block, act_sq) of the blocks it reached.
+    activation: pa.Table | None = None
 
 
 # The pass reads every byte anyway: it fetches runs of whole blocks of about this size at once
@@ -188,7 +228,13 @@ class _Blocks:
 
 
 def _expert_stats(
-    model: ModelFiles, chunk: memoryview, blocks: _Blocks, p: int, base_strips: list, hashers: dict
+    model: ModelFiles,
+    chunk: memoryview,
+    blocks: _Blocks,
+    p: int,
+    base_strips: list,
+    hashers: dict,
+    weights: dict[str, TensorWeights] | None,
 ) -> tuple:
     """One expert's statistics of every float block of a batch (and its tensors' hashes).
     Runs in a worker thread: hashlib, xxhash and numpy release the GIL on large buffers."""
@@ -198,6 +244,17 @@ def _expert_stats(
     dtypes = [model.tensors[n].dtype for n in blocks.names]
     n = len(ranges)
     sq, mx, nnz = np.empty(n), np.empty(n), np.empty(n, dtype=np.int64)
+    act = np.full(n, np.nan) if weights else None
+
+    def weigher(at: slice) -> Callable[[np.ndarray], None] | None:
+        if act is None or not any(name in weights for name in blocks.names[at]):
+            return None
+
+        def weigh(squares: np.ndarray) -> None:
+            act[at] = weighted_energy(squares, blocks.names[at], blocks.rows[at], weights)
+
+        return weigh
+
     for first, end, base_dtype, base_raw, base64 in base_strips:
         size = len(base_raw) // (end - first)
         for g, h in strips(ranges[first:end], dtypes[first:end], strip_bytes):
@@ -208,7 +265,10 @@ def _expert_stats(
                 base64[g:h],
                 chunk[ranges[first + g][0] : ranges[first + h - 1][1]],
                 dtypes[first + g],
+                weigh=weigher(at),
             )
+    if act is not None:
+        act[np.isinf(sq) & ~np.isnan(act)] = math.inf  # a non-finite delta: never left out
     hashes = [block_hash(chunk[a:b]) for a, b in ranges]
     sizes = [b - a for a, b in ranges]
     if model.virtual:  # a made tensor's block costs what it is made from (storage.virtual)
@@ -216,12 +276,18 @@ def _expert_stats(
             recipe = model.virtual.get(model.tensors[name].file)
             if recipe is not None:
                 sizes[i] = recipe.cost(*blocks.rows[i])
-    return sizes, sq, mx, nnz, hashes
+    return sizes, sq, mx, nnz, hashes, act
 
 
 def _measure_batch(
-    family: Family, experts: list, blocks: _Blocks, chunks: list[memoryview], hashers: list, pool
-) -> tuple[pa.RecordBatch, pa.RecordBatch | None]:
+    family: Family,
+    experts: list,
+    blocks: _Blocks,
+    chunks: list[memoryview],
+    hashers: list,
+    pool,
+    weights: dict[str, TensorWeights] | None,
+) -> tuple[pa.RecordBatch, pa.RecordBatch | None, pa.RecordBatch | None]:
     """The base's layout rows of one batch's float blocks, and the experts' statistics rows
     (block by block, the experts in turn)."""
     base_dtypes = [family.base.tensors[n].dtype for n in blocks.names]
@@ -237,7 +303,7 @@ def _measure_batch(
         base_strips.append((first, end, base_dtypes[first], raw, base64))
         base_sq.append(energy)
     futures = [
-        pool.submit(_expert_stats, model, chunks[p], blocks, p, base_strips, hashers[p])
+        pool.submit(_expert_stats, model, chunks[p], blocks, p, base_strips, hashers[p], weights)
         for p, (_, model, _) in enumerate(experts, start=1)
     ]
     layout = pa.record_batch(
@@ -254,19 +320,29 @@ def _measure_batch(
     )
     per_expert = [f.result() for f in futures]
     if not per_expert:
-        return layout, None
+        return layout, None, None
     k = len(per_expert)
+    fps = [fp for _, _, fp in experts] * len(blocks.names)
+    names = np.repeat(np.array(blocks.names, dtype=object), k)
+    numbers = np.repeat(np.array(blocks.numbers, dtype=np.int32), k)
     stats = pa.record_batch(
         [
-            [fp for _, _, fp in experts] * len(blocks.names),
-            np.repeat(np.array(blocks.names, dtype=object), k),
-            np.repeat(np.array(blocks.numbers, dtype=np.int32), k),
+            fps,
+            names,
+            numbers,
             *(np.column_stack([e[c] for e in per_expert]).reshape(-1) for c in range(4)),
             [h for row in zip(*(e[4] for e in per_expert)) for h in row],
         ],
         schema=STATS_SCHEMA,
     )
-    return layout, stats
+    if weights is None:
+        return layout, stats, None
+    act = np.column_stack([e[5] for e in per_expert]).reshape(-1)
+    reached = ~np.isnan(act)
+    activation = pa.record_batch(
+        [pa.array(fps).filter(reached), names[reached], numbers[reached], act[reached]], schema=ACTIVATION_SCHEMA
+    )
+    return layout, stats, activation
 
 
 def compute_stats(
@@ -277,9 +353,11 @@ def compute_stats(
     *,
     progress: Callable[[int], None] | None = None,
     planned: Callable[[], None] | None = None,
+    weights: dict[str, TensorWeights] | None = None,
 ) -> StatsResult:
-    """Stream the base once and each listed expert once; return their block statistics.
-    `planned` is called once the reads are planned, before any is made.
+    """Stream the base once and each listed expert once; return their block statistics (and,
+    given a calibration's weights, their activation energies). `planned` is called once the
+    reads are planned, before any is made.
 
     Each run of blocks is read for all models at once, consecutive runs of small tensors
     together (one read per model per batch). The base's blocks are converted once per batch,
@@ -289,6 +367,7 @@ def compute_stats(
     gathered in a fixed order: block by block, the experts in turn."""
     stats: list[pa.RecordBatch] = []
     layout: list[pa.RecordBatch] = []
+    activation: list[pa.RecordBatch] = []
     fps = family.expert_fps()
     experts = [(i, family.experts[i], fps[i]) for i in expert_positions]
     models = [("base", "base", family.base)] + [(expert_label(i), "expert", m) for i, m, _ in experts]
@@ -320,10 +399,12 @@ def compute_stats(
                 else:
                     _check_buffers(experts, run.name, run.info.dtype, chunks[0], chunks[1:], hashers[1:])
             if blocks.names:
-                rows, measured = _measure_batch(family, experts, blocks, batch_chunks, hashers, pool)
+                rows, measured, weighed = _measure_batch(family, experts, blocks, batch_chunks, hashers, pool, weights)
                 layout.append(rows)
                 if measured is not None:
                     stats.append(measured)
+                if weighed is not None:
+                    activation.append(weighed)
             if progress:
                 progress(sum(len(c) for c in batch_chunks[1:]))
             reader.release([bufs[0] for bufs in read])  # measured: the mappings serve later batches
@@ -331,6 +412,9 @@ def compute_stats(
     result = StatsResult(
         pa.Table.from_batches(stats, schema=STATS_SCHEMA).combine_chunks(),
         pa.Table.from_batches(layout, schema=BLOCKS_SCHEMA).combine_chunks(),
+        activation=None
+        if weights is None
+        else pa.Table.from_batches(activation, schema=ACTIVATION_SCHEMA).combine_chunks(),
     )
     result.content[family.base_fp] = content_digest({n: h.hexdigest() for n, h in hashers[0].items()}, family.base)
     for (i, model, fp), h in zip(experts, hashers[1:]):

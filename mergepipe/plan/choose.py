@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from mergepipe.catalog import planner, records
+from mergepipe.catalog import calibration, planner, records
 from mergepipe.config.spec import MergeSpec
 from mergepipe.errors import BadInput, MergepipeError
 from mergepipe.index.blocks import block_rows, row_elems
@@ -14,6 +14,7 @@ from mergepipe.index.family import Family
 from mergepipe.index.stats import nonfinite_message
 from mergepipe.operators import get_operator
 from mergepipe.plan.params import resolve_tensor_params
+from mergepipe.plan.ranking import choose_calibration
 from mergepipe.plan.record import (
     ACCESS_SCHEMA,
     Plan,
@@ -62,7 +63,21 @@ def empty_plan_problem(spec: MergeSpec, budget_bytes: int, smallest: int | None,
     )
 
 
-def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: list[list[float]]) -> int:
+def ranking_of(spec: MergeSpec, family: Family, con) -> dict:
+    """How the plan ranks pairs: the spec's rank_by, and for `activation` the calibration it
+    uses (its digest, data and texts)."""
+    if spec.rank_by != "activation":
+        return {"rank_by": spec.rank_by}
+    chosen = choose_calibration(calibration.calibrations_of(con, family.base_fp), spec.calibration, family.base.uri)
+    return {
+        "rank_by": spec.rank_by,
+        "calibration": chosen.data_digest,
+        "calibration_data": chosen.data_uri,
+        "calibration_tokens": chosen.tokens,
+    }
+
+
+def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: list[list[float]], ranking: dict) -> int:
     """planner.rank_candidates with each tensor's coefficients (per_set: each parameter set's)."""
     coefficients = {name: per_set[table.by_tensor.get(name, 0)] for name in family.base.tensors}
     return planner.rank_candidates(
@@ -73,6 +88,7 @@ def _rank_candidates(con, spec: MergeSpec, family: Family, op, table, per_set: l
         coefficients,
         skip_zero=op.zero_coefficient_unused,
         rank_by=spec.rank_by,
+        calibration=ranking.get("calibration", ""),
         energy_share=op.ranks_by_energy_share,
     )
 
@@ -94,7 +110,8 @@ def choose_plan(
     per_set = [op.coefficients(p) for p in table.sets]
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
-    n = _rank_candidates(con, spec, family, op, table, per_set)
+    ranking = ranking_of(spec, family, con)
+    n = _rank_candidates(con, spec, family, op, table, per_set, ranking)
     # Views read some bytes once per tensor besides the pairs' (a LoRA factor whole, the rows
     # a padded vocabulary's mean row is made from): the budget keeps room for all of them
     # before it is spent on pairs.
@@ -129,6 +146,9 @@ def choose_plan(
         )
         if op.windowed
         else {},
+        ranking=ranking
+        if "calibration" not in ranking
+        else {**ranking, "omitted_output_energy": planner.omitted_output_energy(con)},
     )
     # Budget soundness is a property of the plan, checked before any expert byte is read.
     if plan.expert_bytes_planned > budget_bytes:
@@ -194,7 +214,8 @@ def full_read_plan(spec: MergeSpec, family: Family, content: dict[str, str], con
     table = resolve_tensor_params(spec, family.base.tensors)
     expert_fps = family.expert_fps()
     full = full_expert_bytes(family)
-    _rank_candidates(con, spec, family, op, table, [op.coefficients(p) for p in table.sets])
+    # Every pair is read, so the ranking is moot: no calibration is looked for.
+    _rank_candidates(con, spec, family, op, table, [op.coefficients(p) for p in table.sets], {})
     planner.select_within_bytes(con, full)
     known = planner.selected_pairs(con).select(ACCESS_SCHEMA.names).cast(ACCESS_SCHEMA)
     new = {fp for i, fp in enumerate(expert_fps) if i in unindexed}

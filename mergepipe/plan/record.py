@@ -160,6 +160,10 @@ class Plan:
     # Per large tensor, per expert: at most how many elements of its delta are nonzero (None:
     # unknown), from the catalog (planner.nonzero_bounds); not part of what the plan identifies.
     nonzero_bounds: dict[str, list[int | None]] = field(default_factory=dict)
+    # How the pairs were ranked (rank_by, the calibration used) and the predicted output energy
+    # of the pairs left out (planner.omitted_output_energy); not part of what the plan
+    # identifies: the access set is.
+    ranking: dict = field(default_factory=dict)
 
     @property
     def expert_bytes_planned(self) -> int:
@@ -285,6 +289,7 @@ def build_plan(
     bound: float,
     params: ParamTable | None = None,
     nonzero_bounds: dict[str, list[int | None]] | None = None,
+    ranking: dict | None = None,
 ) -> Plan:
     """Assemble a plan from a chosen access set (from the planner, or from a manifest).
     `params`: the per-tensor parameters, when the caller has resolved them already;
@@ -324,4 +329,5 @@ def build_plan(
         n_pairs=access.num_rows,
         access=access,
         nonzero_bounds=nonzero_bounds or {},
+        ranking=ranking or {},
     )

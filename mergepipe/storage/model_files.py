@@ -233,3 +233,19 @@ def copy_sidecars(model: ModelFiles, names: tuple[str, ...], folder: str) -> lis
                 f.write(read_small_file(model.path(name)))
             copied.append(name)
     return copied
+
+
+def local_folder(model: ModelFiles, scratch: str) -> str:
+    """A local folder holding the model's files as transformers loads them: its own folder when
+    it is one on this machine, else a copy under `scratch` of its shards (and index) and
+    sidecars, read a whole file at a time."""
+    if not is_remote(model.root) and os.path.isdir(model.root) and not model.virtual:
+        return model.root
+    os.makedirs(scratch, exist_ok=True)
+    names = [*model.shards, *model.sidecars]
+    if len(model.shards) > 1 or INDEX_FILE in (list_folder(model.root, (INDEX_FILE,)) or []):
+        names.append(INDEX_FILE)
+    for name in names:
+        with open(os.path.join(scratch, name), "wb") as f:
+            f.write(read_small_file(model.path(name)))
+    return scratch

@@ -10,6 +10,7 @@ import time
 from contextlib import contextmanager
 
 from mergepipe.catalog import claims, db, ingest
+from mergepipe.catalog.calibration import TensorWeights
 from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
 from mergepipe.config.views import InputViews
 from mergepipe.index.family import Family, load_views
@@ -48,9 +49,12 @@ def look_up_family(family: Family, block_size: int, catalog: CatalogLocation) ->
 
 
 @declare_task("compute-block-stats", **STORAGE_RETRIES)
-def compute_block_stats(family: Family, positions: list[int], block_size: int) -> tuple[StatsResult, list[dict]]:
-    """The statistics pass over these experts (and the base). Its result is cached in the
-    catalog alone (ingested right after it), which every machine sharing the catalog reads."""
+def compute_block_stats(
+    family: Family, positions: list[int], block_size: int, weights: dict[str, TensorWeights] | None = None
+) -> tuple[StatsResult, list[dict]]:
+    """The statistics pass over these experts (and the base), with their activation energies
+    when a calibration's weights are given. Its result is cached in the catalog alone
+    (ingested right after it), which every machine sharing the catalog reads."""
     ledger = ByteLedger()
     total = sum(loc.nbytes for i in positions for loc in family.experts[i].tensors.values())
     rep = progress.reporter()
@@ -64,6 +68,7 @@ def compute_block_stats(family: Family, positions: list[int], block_size: int) -
                 reader,
                 progress=lambda n: rep.advance("index", n),
                 planned=freeze_long_lived,  # the read plan lives through the pass
+                weights=weights,
             )
     finally:
         rep.finish("index")
