@@ -21,7 +21,7 @@ def index_family(config: str, catalog: str | None = None) -> dict:
     """
     request = build_request(config, catalog=catalog)
     spec = request.spec
-    outcome = run_index(spec, request.catalog)
+    outcome = run_index(spec, request.catalog, planned=False)  # no plan: no calibration needed
     experts = input_views(spec).expert_names
     return {
         "base": spec.base_model,
