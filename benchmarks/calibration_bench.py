@@ -123,9 +123,14 @@ def llama_subject(work: Path, texts: int) -> Subject:
         block_size="128KiB",
         seed=0,
     )
-    t = time.perf_counter()
-    fam = sb.make_family(work / "llama", args)
-    say(f"llama family made in {time.perf_counter() - t:.1f} s ({fam['model_bytes'] / 1e6:.1f} MB per model)")
+    made = work / "llama-family" / "family.json"
+    if made.exists():  # a kept --work folder's
+        fam = json.loads(made.read_text())
+    else:
+        t = time.perf_counter()
+        fam = sb.make_family(work / "llama-family", args)
+        made.write_text(json.dumps(fam))
+        say(f"llama family made in {time.perf_counter() - t:.1f} s ({fam['model_bytes'] / 1e6:.1f} MB per model)")
     held = {}
     for i, d in enumerate(sb.ALL_DOMAINS):
         rng = random.Random(30_000 + i)
@@ -151,7 +156,7 @@ def bench(s: Subject, budgets: list[str], work: Path) -> dict:
     from mergepipe.flows.index_family import index_family
     from mergepipe.flows.merge import merge, plan
 
-    folder = work / s.label
+    folder = work / "runs" / s.label
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     catalog = str(folder / "catalog.duckdb")
