@@ -22,10 +22,10 @@ def choose_calibration(rows: list[CalibrationRow], wanted: str | None, base_uri:
         raise BadInput(
             f"rank_by: activation needs a calibration of the base, and the catalog has none: {calibrate_hint(base_uri)}"
         )
+    listed = "; ".join(f"{r.data_uri} ({r.data_digest[:12]})" for r in rows)
     if wanted is None:
         if len(rows) == 1:
             return rows[0]
-        listed = "; ".join(f"{r.data_uri} ({r.data_digest[:12]})" for r in rows)
         raise BadInput(
             f"calibration: the base {base_uri} has {len(rows)} calibrations, name one (its data or digest): {listed}"
         )
@@ -33,7 +33,6 @@ def choose_calibration(rows: list[CalibrationRow], wanted: str | None, base_uri:
     if not found:
         found = [r for r in rows if r.data_uri.endswith("/" + wanted.lstrip("./"))]
     if len(found) != 1:
-        listed = "; ".join(f"{r.data_uri} ({r.data_digest[:12]})" for r in rows)
         what = "no" if not found else "more than one"
         raise BadInput(f"calibration: {wanted!r} names {what} calibration of the base {base_uri} (it has: {listed})")
     return found[0]
