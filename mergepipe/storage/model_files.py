@@ -238,8 +238,11 @@ def copy_sidecars(model: ModelFiles, names: tuple[str, ...], folder: str) -> lis
 def local_folder(model: ModelFiles, scratch: str) -> str:
     """A local folder holding the model's files as transformers loads them: its own folder when
     it is one on this machine, else a copy under `scratch` of its shards (and index) and
-    sidecars, read a whole file at a time."""
-    if not is_remote(model.root) and os.path.isdir(model.root) and not model.virtual:
+    sidecars, read a whole file at a time. A view whose tensors no file holds as they are (an
+    adapter applied to a model) has no such folder."""
+    if model.virtual:
+        raise BadInput(f"{model.uri}: a model with an adapter applied cannot be loaded from its files as it is")
+    if not is_remote(model.root) and os.path.isdir(model.root):
         return model.root
     os.makedirs(scratch, exist_ok=True)
     names = [*model.shards, *model.sidecars]
