@@ -278,6 +278,10 @@ def test_bad_rankings_exit_2(family, tmp_path):
     cfg = config(tmp_path / "m.yml", family)
     r = runner.invoke(app, ["plan", str(cfg), "--rank-by", "energy", "--catalog", str(tmp_path / "c.duckdb")])
     assert r.exit_code == 2 and "--rank-by" in r.output
+    r = runner.invoke(
+        app, ["calibrate", str(cfg), "--data", str(tmp_path / "nope.jsonl"), "--catalog", str(tmp_path / "c.duckdb")]
+    )
+    assert r.exit_code == 2 and "nope.jsonl: text data not found (--data)" in r.output
     bad = config(tmp_path / "bad.yml", family, rank_by="activations")
     r = runner.invoke(app, ["plan", str(bad), "--catalog", str(tmp_path / "c.duckdb")])
     assert r.exit_code == 2 and "rank_by" in r.output

@@ -190,7 +190,7 @@ def test_json_array_and_other_field(family, tmp_path):
 @pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_missing_or_empty_data_is_bad_input(family, tmp_path):
     missing = tmp_path / "nowhere.jsonl"
-    with pytest.raises(BadInput, match="nowhere.jsonl: evaluation data not found"):
+    with pytest.raises(BadInput, match=r"nowhere.jsonl: text data not found \(search.evaluate.perplexity.data\)"):
         mean_loss(PerplexityEvaluation(str(missing)), family["base"])
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")

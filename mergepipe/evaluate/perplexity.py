@@ -59,27 +59,28 @@ def mean_loss(setting: PerplexityEvaluation, model_dir: str) -> Score:
     return Score(mean, {"perplexity": perplexity, "tokens": float(tokens)}, None, seconds)
 
 
-def read_texts(setting: PerplexityEvaluation) -> list[str]:
+def read_texts(setting: PerplexityEvaluation, keys: tuple[str, str] = (f"{KEY}.data", f"{KEY}.field")) -> list[str]:
     """The first `samples` texts of the data file (all when None): JSON Lines (the text under
     `field`), a JSON array, or plain text with one text per non-empty line; JSON when its name
-    ends in .jsonl, .ndjson or .json, or its first line is a JSON object."""
+    ends in .jsonl, .ndjson or .json, or its first line is a JSON object. `keys`: how errors name
+    the data and field settings (a search config's keys, or a command's options)."""
     uri = setting.data
     if stat(uri) is None:
-        raise BadInput(f"{uri}: evaluation data not found ({KEY}.data)")
+        raise BadInput(f"{uri}: text data not found ({keys[0]})")
     try:
         content = read_small_file(uri).decode("utf-8")
     except UnicodeDecodeError:
-        raise BadInput(f"{uri}: evaluation data is not UTF-8 text ({KEY}.data)") from None
+        raise BadInput(f"{uri}: text data is not UTF-8 text ({keys[0]})") from None
     lines = [(n, line) for n, line in enumerate(content.splitlines(), 1) if line.strip()]
     if uri.lower().endswith(JSON_SUFFIXES) or (lines and _json_object(lines[0][1])):
-        texts = _json_texts(uri, content, lines, setting.field)
+        texts = _json_texts(uri, content, lines, setting.field, keys[1])
     else:
         texts = [line for _, line in lines]
     texts = [t for t in texts if t.strip()]
     if setting.samples is not None:
         texts = texts[: setting.samples]
     if not texts:
-        raise BadInput(f"{uri}: no texts in the evaluation data ({KEY}.data)")
+        raise BadInput(f"{uri}: no texts in the data ({keys[0]})")
     return texts
 
 
@@ -90,7 +91,7 @@ def _json_object(line: str) -> bool:
         return False
 
 
-def _json_texts(uri: str, content: str, lines: list[tuple[int, str]], field: str) -> list[str]:
+def _json_texts(uri: str, content: str, lines: list[tuple[int, str]], field: str, field_key: str) -> list[str]:
     try:
         whole = json.loads(content)
     except ValueError:
@@ -112,7 +113,7 @@ def _json_texts(uri: str, content: str, lines: list[tuple[int, str]], field: str
         if not isinstance(record, dict):
             raise BadInput(f"{uri}: {where}: not a JSON object")
         if field not in record:
-            raise BadInput(f"{uri}: {where}: no {field!r} key ({KEY}.field)")
+            raise BadInput(f"{uri}: {where}: no {field!r} key ({field_key})")
         if not isinstance(record[field], str):
             raise BadInput(f"{uri}: {where}: {field!r} is not a string")
         texts.append(record[field])

@@ -53,7 +53,8 @@ def calibrate(
     request = build_request(config, catalog=catalog)
     family, _ = run_task(read_family_headers, input_views(request.spec))
     where = normalize(data) if is_remote(data) else os.path.abspath(data)  # named so from any folder
-    texts = read_texts(PerplexityEvaluation(data=where, field=field, samples=samples, max_length=max_length))
+    setting = PerplexityEvaluation(data=where, field=field, samples=samples, max_length=max_length)
+    texts = read_texts(setting, keys=("--data", "--field"))
     digest = data_digest(texts, max_length)
     found = next(
         (r for r in run_task(look_up_calibrations, request.catalog, family.base_fp) if r.data_digest == digest), None
