@@ -38,7 +38,7 @@ from mergepipe.storage.ledger import ByteLedger, request_counts
 from mergepipe.storage.location import join
 from mergepipe.storage.staging import staging_at
 from mergepipe.tasks import progress
-from mergepipe.tasks.calibrate import ingest_activation_stats, load_calibration, look_up_calibrations
+from mergepipe.tasks.calibrate import ingest_activation_stats, load_calibration
 from mergepipe.tasks.declare import freeze_long_lived
 from mergepipe.tasks.index import (
     claiming,
@@ -103,11 +103,17 @@ def run_index(
     # statistics pass, so a config that cannot merge fails fast.
     resolve_tensor_params(spec, family.base.tensors)
     bs = spec.block_size_bytes
-    known, content, energies = run_task(look_up_family, family, bs, catalog)
-    calibrated = _calibration(spec, family, catalog, planned)  # rank_by: activation without one stops here
-    weights, with_activation = (
-        run_task(load_calibration, catalog, family, bs, calibrated.data_digest) if calibrated else (None, set())
-    )
+    known, content, energies, calibrations = run_task(look_up_family, family, bs, catalog)
+    calibrated = _calibration(spec, family, calibrations, planned)  # rank_by: activation without one stops here
+    loaded: list = []
+
+    def calibration_weights() -> tuple[dict | None, set[str]]:
+        """The calibration's weights and the experts weighed by it already (read once, when needed)."""
+        if not loaded:
+            found = run_task(load_calibration, catalog, family, bs, calibrated.data_digest) if calibrated else None
+            loaded.append(found or (None, set()))
+        return loaded[0]
+
     # An expert needs its pass unless its statistics and content digest are both known; each
     # distinct file set is read once even if the config lists it twice.
     missing, seen = [], set()
@@ -127,7 +133,8 @@ def run_index(
     def index_pass(positions: list[int]) -> None:
         nonlocal content, energies
         # With a calibration of the base, the pass weighs each delta block by it too.
-        result = _block_stats(family, positions, bs, ledger, weights if positions else None)
+        weights, with_activation = calibration_weights() if positions else (None, set())
+        result = _block_stats(family, positions, bs, ledger, weights)
         problem = None if spec.allow_nonfinite else first_nonfinite(result, family)
         if problem:  # refused before ingestion: bad input leaves the catalog as it was
             raise BadInput(problem)
@@ -149,7 +156,7 @@ def run_index(
         todo = wait_for_others(catalog, family, others, bs) if others else []
         waited = waited or bool(others)
     if waited:
-        known, content, energies = run_task(look_up_family, family, bs, catalog)
+        known, content, energies, _ = run_task(look_up_family, family, bs, catalog)
         fps = family.expert_fps()
         unknown = [i for i in missing if fps[i] not in known or fps[i] not in content]
         if unknown:  # indexed by a client that recorded less than this one needs
@@ -159,14 +166,13 @@ def run_index(
     if family.base_fp not in content or (spec.rank_by_needs_base and not energies):
         index_pass([])
     if planned and spec.rank_by == "activation":
-        _weigh_indexed(family, calibrated, weights, with_activation, bs, catalog, ledger)
+        _weigh_indexed(family, calibrated, *calibration_weights(), bs, catalog, ledger)
     return IndexOutcome(family, content, indexed, ledger, time.perf_counter() - t0)
 
 
-def _calibration(spec: MergeSpec, family: Family, catalog: CatalogLocation, planned: bool) -> CalibrationRow | None:
+def _calibration(spec: MergeSpec, family: Family, rows: list[CalibrationRow], planned: bool) -> CalibrationRow | None:
     """The calibration the index pass weighs deltas by: the one the spec's ranking uses (none
     there: BadInput naming the command to run), else the base's newest, if any."""
-    rows = run_task(look_up_calibrations, catalog, family.base_fp)
     if planned and spec.rank_by == "activation":
         return choose_calibration(rows, spec.calibration, family.base.uri)
     return rows[0] if rows else None

@@ -9,8 +9,8 @@ import socket
 import time
 from contextlib import contextmanager
 
-from mergepipe.catalog import claims, db, ingest
-from mergepipe.catalog.calibration import TensorWeights
+from mergepipe.catalog import calibration, claims, db, ingest
+from mergepipe.catalog.calibration import CalibrationRow, TensorWeights
 from mergepipe.config.environment import CatalogLocation, claim_stale_seconds
 from mergepipe.config.views import InputViews
 from mergepipe.index.family import Family, load_views
@@ -34,10 +34,12 @@ def read_family_headers(views: InputViews) -> tuple[Family, list[dict]]:
 
 
 @declare_task("look-up-family")
-def look_up_family(family: Family, block_size: int, catalog: CatalogLocation) -> tuple[set[str], dict[str, str], bool]:
-    """Which experts are already indexed, the known content digests, and whether the base's block
-    energies are known. Writes nothing: a family is recorded only with its statistics, so a pass
-    that fails leaves no trace."""
+def look_up_family(
+    family: Family, block_size: int, catalog: CatalogLocation
+) -> tuple[set[str], dict[str, str], bool, list[CalibrationRow]]:
+    """Which experts are already indexed, the known content digests, whether the base's block
+    energies are known, and the base's calibrations (newest first). Writes nothing: a family is
+    recorded only with its statistics, so a pass that fails leaves no trace."""
     with db.connect(catalog) as con:
         known = ingest.indexed_experts(con, family.base_fp, family.expert_fps(), block_size)
         fps = [family.base_fp, *family.expert_fps()]
@@ -45,6 +47,7 @@ def look_up_family(family: Family, block_size: int, catalog: CatalogLocation) ->
             known,
             ingest.content_digests(con, fps),
             not ingest.missing_base_energies(con, family.base_fp, block_size),
+            calibration.calibrations_of(con, family.base_fp),
         )
 
 
