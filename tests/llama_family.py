@@ -94,6 +94,26 @@ def make_tokenizer():
     )
 
 
+def llama_config(tokenizer, **changes):
+    """The tiny Llama's config (hidden 32, 2 layers, untied) for this tokenizer; `changes` override it."""
+    from transformers import LlamaConfig
+
+    values = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaConfig(**{**values, **changes})
+
+
 def _train(model, tokenizer, texts_for_step, steps: int) -> None:
     import torch
 
@@ -120,24 +140,12 @@ def make_llama_family(root: Path, *, steps: int = 30, seed: int = 0, batch: int 
     heldout_a.jsonl, heldout_b.jsonl, heldout_mixed.jsonl (field "text") and heldout_mixed.txt
     (the same mixed texts, one per line). Returns their paths as strings."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tokenizer = make_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = llama_config(tokenizer)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     rng = random.Random(seed)

@@ -12,7 +12,7 @@ import pytest
 
 from mergepipe.errors import BadInput
 
-from .llama_family import make_tokenizer, sentences
+from .llama_family import llama_config, make_tokenizer, sentences
 
 pytest.importorskip("transformers")
 
@@ -31,22 +31,16 @@ def checkpoint_names(folder: Path) -> set[str]:
 
 def make_llama(folder: Path, tied: bool):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     tokenizer = make_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
+    config = llama_config(
+        tokenizer,
         hidden_size=16,
         intermediate_size=32,
-        num_hidden_layers=2,
         num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
         tie_word_embeddings=tied,
         architectures=["LlamaForCausalLM"],
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from mergepipe.cli import app
 
-from .llama_family import make_tokenizer, sentences
+from .llama_family import llama_config, make_tokenizer, sentences
 
 pytest.importorskip("transformers")
 
@@ -37,23 +37,11 @@ def family(tmp_path_factory):
     the layer outputs can."""
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("calibration-family")
     tokenizer = make_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = llama_config(tokenizer)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
