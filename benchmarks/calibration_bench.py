@@ -43,7 +43,14 @@ os.environ.setdefault("MERGEPIPE_ORCHESTRATION", "local")
 
 import yaml  # noqa: E402
 
-RANKINGS = ("delta", "delta_over_sqrt_base", "activation")
+# (label, rank_by, which calibration): `activation+gradients` ranks by activation under the
+# calibration made with --gradients.
+RANKINGS = (
+    ("delta", "delta", None),
+    ("delta_over_sqrt_base", "delta_over_sqrt_base", None),
+    ("activation", "activation", "plain"),
+    ("activation+gradients", "activation", "gradients"),
+)
 T0 = time.monotonic()
 
 
@@ -63,14 +70,18 @@ def write_jsonl(path: Path, texts: list[str]) -> str:
 
 
 class Subject:
-    """One family to merge: its models, config values, how to score an output, calibration texts."""
+    """One family to merge: its models, config values, how to score an output, calibration texts,
+    and optionally calibrations made here rather than by `mergepipe calibrate` (`extra(catalog,
+    base_fp) -> {label: digest}`, each ranked as `activation` under that calibration)."""
 
-    def __init__(self, label, base, experts, weight, block_size, score, calib, domains):
+    def __init__(self, label, base, experts, weight, block_size, score, calib, domains, extra=None):
         self.label, self.base, self.experts, self.weight = label, base, experts, weight
         self.block_size, self.score, self.calib, self.domains = block_size, score, calib, domains
+        self.extra = extra
 
 
 def minilm_subjects(data: Path, variants: list[str], texts_per_domain: int, work: Path) -> list[Subject]:
+    import torch
     from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
@@ -88,6 +99,12 @@ def minilm_subjects(data: Path, variants: list[str], texts_per_domain: int, work
             for row in train[::step][:texts_per_domain]:
                 texts.append(tok.decode(row.tolist(), skip_special_tokens=True))
         calib = write_jsonl(work / f"minilm-{v}-calib.jsonl", texts)
+        rows = torch.cat(
+            [
+                blocks[f"{d}.train"][:: max(1, blocks[f"{d}.train"].shape[0] // texts_per_domain)][:texts_per_domain]
+                for d in DOMAINS
+            ]
+        )
         out.append(
             Subject(
                 f"minilm-{v}",
@@ -98,9 +115,56 @@ def minilm_subjects(data: Path, variants: list[str], texts_per_domain: int, work
                 lambda folder, v=v: heldout_losses(data, folder, v),
                 calib,
                 list(DOMAINS),
+                extra=lambda catalog, base_fp, v=v, rows=rows: masked_loss_calibration(data, v, rows, catalog, base_fp),
             )
         )
     return out
+
+
+def masked_loss_calibration(data: Path, variant: str, rows, catalog: str, base_fp: str) -> dict[str, str]:
+    """An estimate `mergepipe calibrate` cannot make for this base, whose files hold no head: the
+    gradients of the family's own masked-LM loss, through its frozen head (and, in the tied
+    variant, the decoder that is the word embedding), on the calibration blocks masked as in
+    training (seed 0). Stored as a calibration of the base, so plans rank by it as by any other."""
+    import torch
+    from safetensors.torch import load_file
+
+    from benchmarks.minilm import family as fm
+    from mergepipe.catalog import calibration, db
+    from mergepipe.catalog.calibration import CalibrationRow
+    from mergepipe.config.environment import parse_catalog
+    from mergepipe.evaluate.calibrate import gather_statistics
+    from mergepipe.storage.canonical import sha256_hex
+
+    base_dir = data / variant / "base"
+    model = fm._new_model(base_dir / "config.json")
+    base = {k: t.float() for k, t in load_file(str(base_dir / "model.safetensors")).items()}
+    fm._load_encoder(model, base, str(base_dir))
+    fm._load_head(model, load_file(str(data / "mlm_head.safetensors")))
+    if variant == "untied":  # the decoder is the base's embedding, frozen: no tensor of the merge
+        model.cls.predictions.decoder.weight = torch.nn.Parameter(base["embeddings.word_embeddings.weight"].clone())
+    assert (model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight) == (variant == "tied")
+    from tokenizers import Tokenizer
+
+    ids = fm._special_ids(Tokenizer.from_file(str(base_dir / "tokenizer.json")))
+    x, labels = fm.mask_blocks(rows, torch.Generator().manual_seed(0), model.config.vocab_size, ids["mask"])
+    inputs = [(x[i : i + 1], {"labels": labels[i : i + 1]}) for i in range(x.shape[0])]
+
+    def objective(out, _ids, kwargs):
+        scored = kwargs["labels"] != -100
+        return torch.nn.functional.cross_entropy(out.logits[scored].float(), kwargs["labels"][scored], reduction="sum")
+
+    cal = gather_statistics(model, inputs, list(base), objective, "masked-LM loss")
+    digest = sha256_hex(f"calibration-bench masked-LM loss {variant}".encode())
+    row = CalibrationRow(
+        base_fp, digest, "bench:masked-lm-loss", cal.texts, cal.tokens, rows.shape[1], "cpu", cal.seconds, True
+    )
+    with db.connect(parse_catalog(catalog)) as con:
+        calibration.store_calibration(con, row, cal.tensor_weights())
+    say(
+        f"minilm-{variant}: masked-LM loss calibration in {cal.seconds:.1f} s ({len(cal.output_moments)} linear weights)"
+    )
+    return {"activation+masked-loss": digest}
 
 
 def llama_subject(work: Path, texts: int) -> Subject:
@@ -160,50 +224,77 @@ def bench(s: Subject, budgets: list[str], work: Path) -> dict:
     shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True)
     catalog = str(folder / "catalog.duckdb")
-    cfg = folder / "merge.yml"
     doc = {
         "merge_method": "task_arithmetic",
         "base_model": s.base,
         "block_size": s.block_size,
         "models": [{"model": e, "parameters": {"weight": s.weight}} for e in s.experts],
     }
-    cfg.write_text(yaml.safe_dump(doc, sort_keys=False))
-    t = time.perf_counter()
-    run(index_family, config=str(cfg), catalog=catalog)
-    index_s = time.perf_counter() - t
-    t = time.perf_counter()
-    made = run(calibrate, config=str(cfg), data=s.calib, catalog=catalog)
-    calibrate_s = time.perf_counter() - t
-    base_bytes = sum(p.stat().st_size for p in Path(s.base).glob("*.safetensors"))
-    say(
-        f"{s.label}: indexed in {index_s:.1f} s; calibrated in {calibrate_s:.1f} s ({made['seconds']:.1f} s running "
-        f"the base over {made['texts']} texts, {made['tokens']} tokens; {made['tensors']})"
-    )
-    t = time.perf_counter()
-    run(plan, config=str(cfg), budget="25%", catalog=catalog, rank_by="activation")
-    weigh_s = time.perf_counter() - t
-    t = time.perf_counter()
-    run(plan, config=str(cfg), budget="25%", catalog=catalog, rank_by="activation")
-    plan_s = time.perf_counter() - t
-    say(f"{s.label}: first activation plan {weigh_s:.1f} s (weighing the experts), the next {plan_s:.1f} s")
 
-    def merged(budget: str, ranking: str) -> tuple[dict, dict]:
-        out = str(folder / f"out-{ranking}-{budget.rstrip('%')}")
-        r = run(merge, config=str(cfg), out=out, budget=budget, catalog=catalog, rank_by=ranking, overwrite=True)
+    def config(name: str, **extra) -> str:
+        path = folder / f"{name}.yml"
+        path.write_text(yaml.safe_dump({**doc, **extra}, sort_keys=False))
+        return str(path)
+
+    cfg = config("merge")
+    t = time.perf_counter()
+    run(index_family, config=cfg, catalog=catalog)
+    index_s = time.perf_counter() - t
+    base_bytes = sum(p.stat().st_size for p in Path(s.base).glob("*.safetensors"))
+    made, configs, timing, labels = {}, {}, {}, []
+    for kind in ("plain", "gradients"):
+        t = time.perf_counter()
+        made[kind] = run(calibrate, config=cfg, data=s.calib, catalog=catalog, gradients=kind == "gradients")
+        took = time.perf_counter() - t
+        configs[kind] = config(kind, rank_by="activation", calibration=made[kind]["data_digest"])
+        say(
+            f"{s.label}: calibrated ({kind}) in {took:.1f} s ({made[kind]['seconds']:.1f} s running the base over "
+            f"{made[kind]['texts']} texts, {made[kind]['tokens']} tokens; {made[kind]['tensors']})"
+        )
+        t = time.perf_counter()
+        run(plan, config=configs[kind], budget="25%", catalog=catalog)
+        weigh_s = time.perf_counter() - t
+        t = time.perf_counter()
+        run(plan, config=configs[kind], budget="25%", catalog=catalog)
+        plan_s = time.perf_counter() - t
+        say(
+            f"{s.label}: first activation plan ({kind}) {weigh_s:.1f} s (weighing the experts), the next {plan_s:.1f} s"
+        )
+        timing[kind] = {
+            "seconds_total": took,
+            "seconds_running_the_base": made[kind]["seconds"],
+            "texts": made[kind]["texts"],
+            "tokens": made[kind]["tokens"],
+            "base_bytes_read": base_bytes,
+            "tensors": made[kind]["tensors"],
+            "objective": made[kind].get("objective"),
+            "first_activation_plan_seconds": weigh_s,
+            "next_plan_seconds": plan_s,
+        }
+
+    if s.extra is not None:
+        for label, digest in s.extra(catalog, made["plain"]["base_fp"]).items():
+            configs[label] = config(label.replace("+", "-"), rank_by="activation", calibration=digest)
+            labels.append((label, "activation", label))
+
+    def merged(budget: str, label: str, ranking: str, calibration: str | None) -> tuple[dict, dict]:
+        out = str(folder / f"out-{label}-{budget.rstrip('%')}")
+        path = configs[calibration] if calibration else cfg
+        r = run(merge, config=path, out=out, budget=budget, catalog=catalog, rank_by=ranking, overwrite=True)
         losses = s.score(out)
         shutil.rmtree(out, ignore_errors=True)
         return r, losses
 
-    full, full_loss = merged("100%", "delta")
+    full, full_loss = merged("100%", "delta", "delta", None)
     rows = []
     for budget in budgets:
-        for ranking in RANKINGS:
-            r, loss = merged(budget, ranking)
+        for label, ranking, calibration in [*RANKINGS, *labels]:
+            r, loss = merged(budget, label, ranking, calibration)
             increase = {d: loss[d] / full_loss[d] - 1 for d in s.domains}
             rows.append(
                 {
                     "budget": budget,
-                    "ranking": ranking,
+                    "ranking": label,
                     "loss_increase": increase,
                     "worst": max(increase.values()),
                     "expert_bytes_read": r["expert_bytes_read"],
@@ -213,7 +304,7 @@ def bench(s: Subject, budgets: list[str], work: Path) -> dict:
                 }
             )
             say(
-                f"{s.label} {budget} {ranking}: worst {100 * rows[-1]['worst']:+.2f}% "
+                f"{s.label} {budget} {label}: worst {100 * rows[-1]['worst']:+.2f}% "
                 + " ".join(f"{d} {100 * x:+.2f}%" for d, x in increase.items())
             )
     return {
@@ -222,16 +313,7 @@ def bench(s: Subject, budgets: list[str], work: Path) -> dict:
         "full_loss": full_loss,
         "full_expert_bytes": full["full_expert_bytes"],
         "index_seconds": index_s,
-        "calibration": {
-            "seconds_total": calibrate_s,
-            "seconds_running_the_base": made["seconds"],
-            "texts": made["texts"],
-            "tokens": made["tokens"],
-            "base_bytes_read": base_bytes,
-            "tensors": made["tensors"],
-            "first_activation_plan_seconds": weigh_s,
-            "next_plan_seconds": plan_s,
-        },
+        "calibration": timing,
         "rows": rows,
     }
 
@@ -239,15 +321,17 @@ def bench(s: Subject, budgets: list[str], work: Path) -> dict:
 def markdown(results: list[dict]) -> str:
     out = []
     for res in results:
-        c = res["calibration"]
+        out += [f"### {res['label']}, task_arithmetic", ""]
+        for kind, c in res["calibration"].items():
+            out += [
+                f"Calibration ({kind}{', ' + c['objective'] if c.get('objective') else ''}): {c['texts']} texts, "
+                f"{c['tokens']} tokens, {c['seconds_running_the_base']:.1f} s running the base "
+                f"({c['seconds_total']:.1f} s in all; the base's {c['base_bytes_read'] / 1e6:.1f} MB read once); the first "
+                f"activation plan, which weighs the experts, {c['first_activation_plan_seconds']:.1f} s (the next "
+                f"{c['next_plan_seconds']:.1f} s; the index pass took {res['index_seconds']:.1f} s).",
+                "",
+            ]
         out += [
-            f"### {res['label']}, task_arithmetic",
-            "",
-            f"Calibration: {c['texts']} texts, {c['tokens']} tokens, {c['seconds_running_the_base']:.1f} s running "
-            f"the base ({c['seconds_total']:.1f} s in all; the base's {c['base_bytes_read'] / 1e6:.1f} MB read once); "
-            f"the first activation plan, which weighs the experts indexed before it, {c['first_activation_plan_seconds']:.1f} s "
-            f"(the next {c['next_plan_seconds']:.1f} s; the index pass took {res['index_seconds']:.1f} s).",
-            "",
             "| budget | ranking | " + " | ".join(res["domains"]) + " | worst | bound | omitted output energy |",
             "|---" * (len(res["domains"]) + 5) + "|",
         ]

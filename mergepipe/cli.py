@@ -299,7 +299,8 @@ def _rank_by(value: Optional[str], option: str) -> Optional[str]:
 def _ranking_line(ranking: dict) -> str:
     line = f"ranked by {ranking.get('rank_by', 'delta')}"
     if "calibration" in ranking:
-        line += f" (calibration {ranking['calibration'][:12]} of {ranking['calibration_data']})"
+        took = ", with gradients" if ranking.get("calibration_gradients") else ""
+        line += f" (calibration {ranking['calibration'][:12]} of {ranking['calibration_data']}{took})"
     if "omitted_output_energy" in ranking:
         line += f"; predicted output energy left out {ranking['omitted_output_energy']:.6g}"
     return line
@@ -460,11 +461,18 @@ def calibrate(
     field: str = typer.Option("text", "--field", help="The JSON key holding each text."),
     samples: Optional[int] = typer.Option(None, "--samples", help="Use the first N texts (default: all)."),
     max_length: int = typer.Option(512, "--max-length", help="Cut each text to this many tokens."),
+    gradients: bool = typer.Option(
+        False,
+        "--gradients",
+        help="Also back-propagate each text (a causal LM's loss, else its outputs on random draws) and weight "
+        "each output channel and token by the gradient's second moment: a calibration of its own.",
+    ),
     catalog: Optional[str] = CatalogOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Run the config's base over texts and keep, per weight tensor, what rank_by: activation
-    weighs its delta blocks by (linear layers' input moments, the embedding's token frequencies)."""
+    weighs its delta blocks by (linear layers' input moments, the embedding's token frequencies;
+    with --gradients, the gradients' moments at their outputs too)."""
 
     def go() -> dict:
         _request(config, catalog=_catalog(catalog))
@@ -478,6 +486,7 @@ def calibrate(
             field=field,
             samples=samples,
             max_length=max_length,
+            gradients=gradients,
             catalog=_catalog(catalog),
         )
 
@@ -488,11 +497,12 @@ def calibrate(
     if not result["calibrated"]:
         out_console.print(
             f"already calibrated: {result['base']} on {result['data_uri']} ({result['data_digest'][:12]}, "
-            f"{result['texts']} texts, {result['tokens']} tokens)"
+            f"{result['texts']} texts, {result['tokens']} tokens{', with gradients' if result['gradients'] else ''})"
         )
         return
+    took = f", gradients of its {result['objective']}" if result["objective"] else ""
     out_console.print(
-        f"calibrated {result['base']} on {result['texts']} texts ({result['tokens']} tokens) in "
+        f"calibrated {result['base']} on {result['texts']} texts ({result['tokens']} tokens{took}) in "
         f"{result['seconds']:.1f} s on {result['device']}: {result['tensors']['input']} linear weights, "
         f"{result['tensors']['token']} embeddings; {result['uncalibrated_tensors']} tensors keep the data-free "
         f"ranking; calibration {result['data_digest'][:12]}"

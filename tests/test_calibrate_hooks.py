@@ -232,3 +232,92 @@ def test_refusals(tmp_path):
         calibrate_model(str(folder), [], 32, names)
     with pytest.raises(BadInput, match="no nn.Linear or nn.Embedding"):
         calibrate_model(str(folder), texts(), 32, {"not.a.tensor"})
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_llama_gradient_moments_match_a_direct_computation(tmp_path, tied):
+    """--gradients on a causal LM: the summed next-token loss back-propagated; the gradient's
+    second moment at each Linear's output channels and at each token's uses equal autograd's
+    on the same texts, and the forward moments are those of a run without gradients."""
+    import torch
+
+    from mergepipe.evaluate.calibrate import calibrate_model
+
+    folder = tmp_path / "llama"
+    model, tokenizer = make_llama(folder, tied)
+    names = checkpoint_names(folder)
+    plain = calibrate_model(str(folder), texts(), 512, names)
+    cal = calibrate_model(str(folder), texts(), 512, names, gradients=True)
+    assert cal.objective == "loss" and plain.objective == "" and not plain.output_moments
+    assert set(cal.moments) == set(cal.output_moments) == set(plain.moments)
+    for k, m in plain.moments.items():
+        np.testing.assert_allclose(cal.moments[k], m, rtol=1e-9)
+
+    captured = []
+
+    def keep(_module, _args, out):
+        out.retain_grad()
+        captured.append(out)
+
+    handle = model.model.layers[0].self_attn.v_proj.register_forward_hook(keep)
+    heads, v_grads, token, n = [], [], np.zeros(model.config.vocab_size), 0
+    try:
+        for text in texts():
+            ids = tokenizer(text, return_tensors="pt")["input_ids"]
+            embeds = model.model.embed_tokens(ids).detach().requires_grad_()
+            logits = model(inputs_embeds=embeds).logits[0]
+            torch.nn.functional.cross_entropy(logits[:-1], ids[0, 1:], reduction="sum").backward()
+            # d loss / d logits: softmax minus the one-hot next token; nothing at the last position
+            g = torch.softmax(logits.detach().double(), -1)
+            g[torch.arange(ids.shape[1] - 1), ids[0, 1:]] -= 1
+            g[-1] = 0
+            heads.append(g.numpy())
+            v_grads.append(captured.pop().grad[0].double().numpy())
+            np.add.at(token, ids[0].numpy(), (embeds.grad[0].double() ** 2).mean(dim=1).numpy())
+            n += ids.shape[1]
+    finally:
+        handle.remove()
+    head = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    np.testing.assert_allclose(cal.output_moments[head], (np.concatenate(heads) ** 2).mean(axis=0), rtol=1e-5)
+    np.testing.assert_allclose(
+        cal.output_moments["model.layers.0.self_attn.v_proj.weight"],
+        (np.concatenate(v_grads) ** 2).mean(axis=0),
+        rtol=1e-5,
+    )
+    assert cal.output_moments[head].shape == (model.config.vocab_size,)
+    np.testing.assert_allclose(cal.token_gradients["model.embed_tokens.weight"], token / n, rtol=1e-5, atol=1e-300)
+    everything = np.concatenate(list(cal.output_moments.values()))
+    assert cal.gradient_scale() == pytest.approx(everything.mean(), rel=1e-12) and cal.gradient_scale() > 0
+
+
+def test_bare_encoder_gradients_project_every_output(tmp_path):
+    """--gradients on a bare encoder: no loss, so its outputs (hidden states and pooled output)
+    are projected on draws from a generator seeded 0; the word embedding's token moments equal
+    autograd's with the same draws, and the pooler, which only the pooled output uses, is
+    reached."""
+    import torch
+    import transformers
+
+    from mergepipe.evaluate.calibrate import calibrate_model
+
+    folder = tmp_path / "bert"
+    model, _ = make_bert(folder)
+    cal = calibrate_model(str(folder), BERT_TEXTS, 512, checkpoint_names(folder), gradients=True)
+    assert cal.objective == "projection"
+    assert set(cal.output_moments) == set(cal.moments)
+    assert cal.output_moments["pooler.dense.weight"].min() > 0
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
+    generator = torch.Generator().manual_seed(0)
+    token, n = np.zeros(model.config.vocab_size), 0
+    for text in BERT_TEXTS:
+        enc = tokenizer(text, return_tensors="pt")
+        embeds = model.embeddings.word_embeddings(enc["input_ids"]).detach().requires_grad_()
+        out = model(inputs_embeds=embeds, attention_mask=enc["attention_mask"], token_type_ids=enc["token_type_ids"])
+        total = 0
+        for value in (out.last_hidden_state, out.pooler_output):
+            total = total + (value * torch.randn(value.shape, generator=generator)).sum()
+        total.backward()
+        np.add.at(token, enc["input_ids"][0].numpy(), (embeds.grad[0].double() ** 2).mean(dim=1).numpy())
+        n += enc["input_ids"].shape[1]
+    np.testing.assert_allclose(cal.token_gradients["embeddings.word_embeddings.weight"], token / n, rtol=1e-5)

@@ -330,3 +330,53 @@ def test_weighted_energy_is_the_sum_by_hand():
     assert np.isnan(got[2])
     misfit = weighted_energy(squares, ["linear"] * 3, rows, {"linear": TensorWeights(columns=rng.random(6))})
     assert np.isnan(misfit).all()
+
+    # With gradients: each row's input-weighted energy scaled by its output channel's weight;
+    # the token weights add as before.
+    o = rng.random(12)
+    graded = {"linear": TensorWeights(columns=m, outputs=o), "tied": TensorWeights(columns=m, rows=f, outputs=o)}
+    got = weighted_energy(squares, names, rows, graded)
+    assert got[0] == pytest.approx(((b0 * m).sum(axis=1) * o[0:4]).sum(), rel=1e-12)
+    assert got[1] == pytest.approx(((b1 * m).sum(axis=1) * o[4:8]).sum() + (b1.sum(axis=1) * f[4:8]).sum(), rel=1e-12)
+    short = weighted_energy(squares, ["linear"] * 3, rows, {"linear": TensorWeights(columns=m, outputs=o[:10])})
+    assert not np.isnan(short[:2]).any() and np.isnan(short[2])  # rows 8..11 have no output weight
+
+
+@pytest.mark.slow
+def test_a_calibration_with_gradients_sits_beside_the_plain_one(family, tmp_path):
+    """--gradients: a calibration of its own for the same texts, whose weights include the
+    output channels'; a plan naming it ranks by them, says so, and leaves out other blocks than
+    the plain one; again with the same texts, nothing is recomputed."""
+    catalog = str(tmp_path / "c.duckdb")
+    cfg = config(tmp_path / "m.yml", family)
+    code, plain = cli("calibrate", str(cfg), "--data", family["calib"], "--catalog", catalog)
+    assert code == 0, plain
+    assert plain["objective"] is None and plain["tensors"]["output"] == 0
+    code, graded = cli("calibrate", str(cfg), "--data", family["calib"], "--catalog", catalog, "--gradients")
+    assert code == 0, graded
+    assert graded["calibrated"] and graded["gradients"] and graded["objective"] == "loss"
+    assert graded["data_digest"] != plain["data_digest"]
+    assert graded["tensors"]["output"] == graded["tensors"]["input"] > 0
+    code, again = cli("calibrate", str(cfg), "--data", family["calib"], "--catalog", catalog, "--gradients")
+    assert code == 0 and not again["calibrated"] and again["gradients"]
+    with duckdb.connect(catalog, read_only=True) as con:
+        kinds = dict(
+            con.execute(
+                "SELECT data_digest, list(DISTINCT kind ORDER BY kind) FROM calibration_weights GROUP BY 1"
+            ).fetchall()
+        )
+    assert kinds == {plain["data_digest"]: ["input", "token"], graded["data_digest"]: ["input", "output", "token"]}
+
+    plans = {}
+    for name, made in (("plain", plain), ("graded", graded)):
+        named = config(tmp_path / f"{name}.yml", family, rank_by="activation", calibration=made["data_digest"][:12])
+        code, plans[name] = cli("plan", str(named), "--budget", "25%", "--catalog", catalog)
+        assert code == 0, plans[name]
+        assert plans[name]["ranking"]["calibration"] == made["data_digest"]
+        assert plans[name]["ranking"]["calibration_gradients"] is (name == "graded")
+    # The same budget, another estimate of what each block is worth: another access set.
+    assert plans["plain"]["plan_digest"] != plans["graded"]["plan_digest"]
+    r = runner.invoke(
+        app, ["plan", str(config(tmp_path / "g.yml", family, rank_by="activation")), "--catalog", catalog]
+    )
+    assert r.exit_code == 2 and "with gradients" in r.output

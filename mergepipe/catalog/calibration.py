@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from mergepipe.catalog.db import write
 
-INPUT, TOKEN = "input", "token"
+INPUT, TOKEN, OUTPUT = "input", "token", "output"
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,7 @@ class CalibrationRow:
     max_length: int
     device: str
     seconds: float
+    gradients: bool = False  # its weights include the gradients' (calibrate --gradients)
 
     def as_json(self) -> dict:
         return dict(self.__dict__)
@@ -33,17 +34,21 @@ class CalibrationRow:
 class TensorWeights:
     """What a block's delta energy is weighted by: its columns by the input channels' second
     moments (a linear layer's weight), its rows by their tokens' frequencies (an embedding);
-    both for a tensor that is both (tied embeddings)."""
+    both for a tensor that is both (tied embeddings). A calibration with gradients also scales
+    a linear layer's rows by its output channels' relative gradient moments (`outputs`), and
+    gives an embedding's rows each token's frequency times the gradient's moment at its uses
+    (relative too) in place of the bare frequency."""
 
     columns: np.ndarray | None = None
     rows: np.ndarray | None = None
+    outputs: np.ndarray | None = None
 
 
 def store_calibration(con: duckdb.DuckDBPyConnection, row: CalibrationRow, weights: dict[str, TensorWeights]) -> None:
     """The calibration and its weights, in one transaction (a rerun replaces them)."""
     records = []
     for tensor, w in sorted(weights.items()):
-        for kind, values in ((INPUT, w.columns), (TOKEN, w.rows)):
+        for kind, values in ((INPUT, w.columns), (TOKEN, w.rows), (OUTPUT, w.outputs)):
             if values is not None:
                 data = np.ascontiguousarray(values, dtype="<f8")
                 records.append((tensor, kind, data.size, data.tobytes()))
@@ -58,6 +63,9 @@ def store_calibration(con: duckdb.DuckDBPyConnection, row: CalibrationRow, weigh
     key = [row.base_fp, row.data_digest]
 
     def body() -> None:
+        # Energies weighed under an earlier run of this calibration go with its weights.
+        con.execute("DELETE FROM activation_stats WHERE base_fp = ? AND data_digest = ?", key)
+        con.execute("DELETE FROM activation_sets WHERE base_fp = ? AND data_digest = ?", key)
         con.execute("DELETE FROM calibration_weights WHERE base_fp = ? AND data_digest = ?", key)
         con.execute("DELETE FROM calibrations WHERE base_fp = ? AND data_digest = ?", key)
         con.execute("INSERT INTO calibration_weights SELECT ?, ?, tensor, kind, n, weights FROM new_weights", key)
@@ -73,9 +81,11 @@ def store_calibration(con: duckdb.DuckDBPyConnection, row: CalibrationRow, weigh
 def calibrations_of(con: duckdb.DuckDBPyConnection, base_fp: str) -> list[CalibrationRow]:
     """The base's calibrations, newest first."""
     rows = con.execute(
-        "SELECT base_fp, data_digest, data_uri, texts, tokens, max_length, device, seconds FROM calibrations "
-        "WHERE base_fp = ? ORDER BY created_at DESC, data_digest",
-        [base_fp],
+        "SELECT c.base_fp, c.data_digest, c.data_uri, c.texts, c.tokens, c.max_length, c.device, c.seconds, "
+        "EXISTS (SELECT 1 FROM calibration_weights w WHERE w.base_fp = c.base_fp "
+        "AND w.data_digest = c.data_digest AND w.kind = ?) "
+        "FROM calibrations c WHERE c.base_fp = ? ORDER BY c.created_at DESC, c.data_digest",
+        [OUTPUT, base_fp],
     ).fetchall()
     return [CalibrationRow(*r) for r in rows]
 
@@ -89,7 +99,7 @@ def load_weights(con: duckdb.DuckDBPyConnection, base_fp: str, data_digest: str)
     found: dict[str, dict[str, np.ndarray]] = {}
     for tensor, kind, blob in rows:
         found.setdefault(tensor, {})[kind] = np.frombuffer(bytes(blob), dtype="<f8").astype(np.float64)
-    return {t: TensorWeights(columns=k.get(INPUT), rows=k.get(TOKEN)) for t, k in found.items()}
+    return {t: TensorWeights(columns=k.get(INPUT), rows=k.get(TOKEN), outputs=k.get(OUTPUT)) for t, k in found.items()}
 
 
 def activation_done(

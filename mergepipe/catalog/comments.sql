@@ -205,7 +205,7 @@ COMMENT ON TABLE calibration_weights IS 'per base tensor a calibration reached: 
 COMMENT ON COLUMN calibration_weights.base_fp IS 'the base (calibrations.base_fp)';
 COMMENT ON COLUMN calibration_weights.data_digest IS 'the calibration (calibrations.data_digest)';
 COMMENT ON COLUMN calibration_weights.tensor IS 'the base''s tensor';
-COMMENT ON COLUMN calibration_weights.kind IS 'input: E[x_j^2] of the input channels of the linear layer using it (its columns); token: each row''s token frequency (an embedding)';
+COMMENT ON COLUMN calibration_weights.kind IS 'input: E[x_j^2] of the input channels of the linear layer using it (its columns); token: each row''s token frequency (an embedding), times the relative gradient moment at its uses in a calibration with gradients; output: the relative E[g_r^2] of the linear layer''s output channels (its rows; calibrate --gradients)';
 COMMENT ON COLUMN calibration_weights.n IS 'how many weights (columns, or rows)';
 COMMENT ON COLUMN calibration_weights.weights IS 'n float64, little-endian';
 
@@ -216,7 +216,7 @@ COMMENT ON COLUMN activation_stats.block_size IS 'the block size of the layout (
 COMMENT ON COLUMN activation_stats.data_digest IS 'the calibration (calibrations.data_digest)';
 COMMENT ON COLUMN activation_stats.tensor IS 'the tensor';
 COMMENT ON COLUMN activation_stats.block IS 'the block (blocks.block)';
-COMMENT ON COLUMN activation_stats.act_sq IS 'sum over rows r and columns j of delta[r,j]^2 * (E[x_j^2] + frequency of row r), in fp64';
+COMMENT ON COLUMN activation_stats.act_sq IS 'sum over rows r and columns j of delta[r,j]^2 * (E[x_j^2] * output weight of row r + token weight of row r), in fp64';
 
 COMMENT ON TABLE activation_sets IS 'experts whose activation_stats under a calibration are complete';
 COMMENT ON COLUMN activation_sets.base_fp IS 'the base';

@@ -208,7 +208,7 @@ CREATE TABLE IF NOT EXISTS calibration_weights (
     base_fp      VARCHAR NOT NULL,
     data_digest  VARCHAR NOT NULL,
     tensor       VARCHAR NOT NULL,
-    kind         VARCHAR NOT NULL,  -- input | token
+    kind         VARCHAR NOT NULL,  -- input | token | output
     n            BIGINT NOT NULL,
     weights      BLOB NOT NULL,     -- n float64, little-endian
     PRIMARY KEY (base_fp, data_digest, tensor, kind)

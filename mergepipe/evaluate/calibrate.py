@@ -1,16 +1,19 @@
-"""Calibration statistics of a base model: per-channel input moments of its linear layers and
-row frequencies of its embeddings over calibration texts, keyed by the checkpoint's tensor names."""
+"""Calibration statistics of a base model over calibration texts, keyed by the checkpoint's tensor
+names: per-channel input moments of its linear layers and row frequencies of its embeddings, and
+with gradients, the second moments of the gradient at each linear layer's output channels and at
+each embedding row's uses."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mergepipe import torch
+from mergepipe.catalog.calibration import TensorWeights
 from mergepipe.errors import BadInput
 from mergepipe.evaluate.perplexity import _transformers
 
@@ -23,6 +26,37 @@ class Calibration:
     texts: int  # texts run (those that gave at least one token)
     seconds: float
     device: str  # "cuda" or "cpu"
+    # With gradients (empty without): weight name -> E[g_r^2] at the Linear's output channels,
+    # and embedding weight name -> E[1{token = r} * mean_j g_j^2] per row, over the positions
+    # back-propagated; g the gradient of `objective` (below).
+    output_moments: dict[str, np.ndarray] = field(default_factory=dict)
+    token_gradients: dict[str, np.ndarray] = field(default_factory=dict)
+    objective: str = ""  # "loss" (a causal LM's summed token loss) or "projection" (see _objective)
+
+    def tensor_weights(self) -> dict[str, TensorWeights]:
+        """What the index pass weighs each reached tensor's delta blocks by (index/stats.py
+        weighted_energy): input moments on the columns; with gradients, the output moments on
+        the rows and the token weights, both relative to gradient_scale."""
+        scale = self.gradient_scale()
+        weights = {}
+        for n in sorted(set(self.moments) | set(self.frequencies)):
+            outputs = self.output_moments.get(n)
+            token = self.token_gradients.get(n)
+            weights[n] = TensorWeights(
+                columns=self.moments.get(n),
+                # The token's weight, relative like the outputs': its frequency times the
+                # gradient's moment at its uses; a frequency alone where no gradient reached it.
+                rows=token / scale if token is not None and scale > 0 else self.frequencies.get(n),
+                outputs=outputs / scale if outputs is not None and scale > 0 else None,
+            )
+        return weights
+
+    def gradient_scale(self) -> float:
+        """The mean of E[g_r^2] over every output channel of every Linear reached: what makes the
+        gradient weights relative (1 = an average channel), so that tensors no hook reached,
+        which keep their data-free value, rank on the same scale."""
+        found = [m for m in self.output_moments.values() if m.size]
+        return float(np.concatenate(found).mean()) if found else 0.0
 
 
 class _Sums:
@@ -33,58 +67,162 @@ class _Sums:
         self.inputs = 0  # tokens seen by the Linear(s) using this weight
         self.counts = None  # float64 (rows,), on the model's device
         self.ids = 0  # ids seen by the Embedding(s) using this weight
+        self.out_features = 0
+        self.grad_sq = None  # float64 (out_features,): sum of g_r^2 at the Linear's outputs
+        self.grads = 0  # positions back-propagated through the Linear(s)
+        self.token_grad = None  # float64 (rows,): sum of mean_j g_j^2 at each row's uses
+        self.token_grads = 0  # positions back-propagated through the Embedding(s)
 
 
-def calibrate_model(model_dir: str, texts: list[str], max_length: int, tensor_names: Collection[str]) -> Calibration:
+def calibrate_model(
+    model_dir: str, texts: list[str], max_length: int, tensor_names: Collection[str], gradients: bool = False
+) -> Calibration:
     """Run the base model in `model_dir` over `texts` one at a time (no padding) and return the
-    statistics of every nn.Linear / nn.Embedding whose weight is one of `tensor_names`.
-    A folder transformers cannot load, texts with no token, or a model in which no Linear or
-    Embedding was reached raise BadInput."""
+    statistics of every nn.Linear / nn.Embedding whose weight is one of `tensor_names`; with
+    `gradients`, also back-propagate each text's objective (_objective) and gather the gradients'
+    second moments at those modules' outputs. A folder transformers cannot load, texts with no
+    token, or a model in which no Linear or Embedding was reached raise BadInput."""
     transformers = _transformers()
-    names = set(tensor_names)
     start = time.monotonic()
     try:
-        model, tokenizer, limit = _load(transformers, model_dir, names)
+        model, tokenizer, limit, causal = _load(transformers, model_dir, set(tensor_names))
     except Exception as err:
         raise BadInput(f"{model_dir}: cannot load the model: {type(err).__name__}: {err}") from None
     device = model.device
-    sums: dict[str, _Sums] = {}
-    handles = []
+
+    def inputs():
+        for text in texts:
+            enc = tokenizer(text, truncation=True, max_length=int(min(max_length, limit)), return_tensors="pt")
+            kwargs = {k: enc[k].to(device) for k in ("attention_mask", "token_type_ids") if k in enc}
+            yield enc["input_ids"].to(device), kwargs
+
+    objective = None
+    if gradients:
+        generator = torch.Generator().manual_seed(0)  # the projections' draws: the same on every machine
+
+        def objective(out, ids, _kwargs):
+            return _objective(out, ids, causal, generator)
+
     try:
-        for module, name in _mapped_modules(model, names):
-            handles.append(_hook(module, sums.setdefault(name, _Sums())))
-        tokens = used = 0
-        with torch.no_grad():
-            for text in texts:
-                enc = tokenizer(text, truncation=True, max_length=int(min(max_length, limit)), return_tensors="pt")
-                n = int(enc["input_ids"].numel())
-                if n == 0:
-                    continue  # an empty input would fail inside the model and carries no statistic
-                kwargs = {k: enc[k].to(device) for k in ("attention_mask", "token_type_ids") if k in enc}
-                model(input_ids=enc["input_ids"].to(device), **kwargs)
-                tokens += n
-                used += 1
-        if tokens == 0:
-            raise BadInput(f"{model_dir}: the calibration texts give no token ({len(texts)} texts)")
-        moments = {k: (s.sum_sq / s.inputs).cpu().numpy() for k, s in sums.items() if s.inputs}
-        frequencies = {k: (s.counts / s.ids).cpu().numpy() for k, s in sums.items() if s.ids}
+        return gather_statistics(
+            model,
+            inputs(),
+            tensor_names,
+            objective,
+            "loss" if causal else "projection",
+            where=model_dir,
+            started=start,
+        )
     finally:
-        for handle in handles:
-            handle.remove()
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the merge that follows needs the memory
+
+
+def gather_statistics(
+    model,
+    inputs: Iterable[tuple],
+    tensor_names: Collection[str],
+    objective: Callable | None = None,
+    objective_name: str = "",
+    where: str = "the model",
+    started: float | None = None,
+) -> Calibration:
+    """The statistics of `model` (a torch module in eval mode) over `inputs`, pairs (input_ids,
+    other keyword arguments of its forward), for every nn.Linear / nn.Embedding whose weight is
+    one of `tensor_names`. With `objective(output, input_ids, kwargs)` (a scalar to
+    back-propagate, or None to skip the input), the gradients' second moments too, under
+    `objective_name`. BadInput (naming `where`) when no input has a token or no module was
+    reached."""
+    names = set(tensor_names)
+    start = time.monotonic() if started is None else started
+    gradients = objective is not None
+    sums: dict[str, _Sums] = {}
+    handles = []
+    try:
+        if gradients:
+            # Only the activations' gradients are wanted: no weight gets one, and the embeddings'
+            # outputs become the leaves that back-propagation starts the graph from.
+            for p in model.parameters():
+                p.requires_grad_(False)
+            for module in model.modules():
+                if isinstance(module, torch.nn.Embedding):
+                    handles.append(module.register_forward_hook(_leaf))
+        for module, name in _mapped_modules(model, names):
+            handles.extend(_hooks(module, sums.setdefault(name, _Sums()), gradients))
+        tokens = used = 0
+        with torch.enable_grad() if gradients else torch.no_grad():
+            for ids, kwargs in inputs:
+                n = int(ids.numel())
+                if n == 0:
+                    continue  # an empty input would fail inside the model and carries no statistic
+                out = model(input_ids=ids, **kwargs)
+                if gradients:
+                    value = objective(out, ids, kwargs)
+                    if value is not None:
+                        value.backward()
+                tokens += n
+                used += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+    if tokens == 0:
+        raise BadInput(f"{where}: the calibration texts give no token")
+    moments = {k: (s.sum_sq / s.inputs).cpu().numpy() for k, s in sums.items() if s.inputs}
+    frequencies = {k: (s.counts / s.ids).cpu().numpy() for k, s in sums.items() if s.ids}
+    # A Linear that ran but that no gradient reached (a pooler the objective does not use)
+    # does not move the objective: its output channels weigh nothing.
+    outputs = {
+        k: (s.grad_sq / s.grads).cpu().numpy() if s.grads else np.zeros(s.out_features)
+        for k, s in sums.items()
+        if gradients and s.inputs
+    }
+    token_grads = {k: (s.token_grad / s.token_grads).cpu().numpy() for k, s in sums.items() if s.token_grads}
     if not moments and not frequencies:
         raise BadInput(
-            f"{model_dir}: no nn.Linear or nn.Embedding whose weight is in the checkpoint was reached "
+            f"{where}: no nn.Linear or nn.Embedding whose weight is in the checkpoint was reached "
             "by the calibration texts"
         )
-    return Calibration(moments, frequencies, tokens, used, time.monotonic() - start, device.type)
+    if gradients and not any(s.grads for s in sums.values()):
+        raise BadInput(f"{where}: no gradient reached a linear layer (texts of one token each give none)")
+    return Calibration(
+        moments,
+        frequencies,
+        tokens,
+        used,
+        time.monotonic() - start,
+        next(model.parameters()).device.type,
+        output_moments=outputs,
+        token_gradients=token_grads,
+        objective=objective_name if gradients else "",
+    )
+
+
+def _objective(out, ids, causal: bool, generator):
+    """What a text's gradients are taken of. A causal LM: its next-token loss summed over the
+    positions (so a weight's sensitivity is the loss's: the empirical Fisher's factors). Any
+    other model (a bare encoder, a masked LM): each of its tensor outputs (hidden states,
+    pooled output, logits) projected on a fresh standard normal draw per element, whose
+    gradient's second moment at a channel is the diagonal of JᵀJ: how far a change there moves
+    the model's outputs. None for a causal text of one token, which predicts nothing."""
+    if causal:
+        if ids.shape[-1] < 2:
+            return None
+        first = out[0] if isinstance(out, tuple) else out["logits"]
+        logits = first[..., :-1, :].float().reshape(-1, first.shape[-1])
+        return torch.nn.functional.cross_entropy(logits, ids[..., 1:].reshape(-1), reduction="sum")
+    total = None
+    for value in out.values() if hasattr(out, "values") else out:
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and value.requires_grad:
+            draw = torch.randn(value.shape, generator=generator, dtype=torch.float32).to(value.device)
+            term = (value.float() * draw).sum()
+            total = term if total is None else total + term
+    return total
 
 
 def _load(transformers, model_dir: str, names: set[str]):
-    """The model in eval mode (on the GPU when there is one), its tokenizer, and the longest
-    input its positions allow."""
+    """The model in eval mode (on the GPU when there is one), its tokenizer, the longest input its
+    positions allow, and whether it is a causal LM."""
     transformers.utils.logging.disable_progress_bar()  # a bar per load would drown the run's progress
     config = transformers.AutoConfig.from_pretrained(model_dir)
     auto = _auto_class(transformers, config, names)
@@ -94,7 +232,7 @@ def _load(transformers, model_dir: str, names: set[str]):
     model.to("cuda" if cuda else "cpu").eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     limit = getattr(config, "max_position_embeddings", None) or math.inf
-    return model, tokenizer, limit
+    return model, tokenizer, limit, auto is transformers.AutoModelForCausalLM
 
 
 def _auto_class(transformers, config, names: set[str]):
@@ -165,7 +303,12 @@ def _mapped_modules(model, names: set[str]):
             yield module, name
 
 
-def _hook(module, sums: _Sums):
+def _leaf(_module, _args, output):
+    """An embedding's output, made a leaf that gradients reach (no weight requires one)."""
+    return output.detach().requires_grad_()
+
+
+def _hooks(module, sums: _Sums, gradients: bool) -> list:
     if isinstance(module, torch.nn.Embedding):
         rows = module.num_embeddings
 
@@ -175,7 +318,22 @@ def _hook(module, sums: _Sums):
             sums.counts = found if sums.counts is None else sums.counts + found
             sums.ids += ids.numel()
 
-        return module.register_forward_pre_hook(count, with_kwargs=True)
+        def uses(_module, args, kwargs, output):
+            ids = (args[0] if args else kwargs["input"]).reshape(-1)
+
+            def gathered(g):
+                per = g.detach().reshape(-1, g.shape[-1]).double().pow(2).mean(dim=1)
+                found = torch.zeros(rows, dtype=torch.float64, device=per.device).index_add_(0, ids, per)
+                sums.token_grad = found if sums.token_grad is None else sums.token_grad + found
+                sums.token_grads += ids.numel()
+
+            if output.requires_grad:
+                output.register_hook(gathered)
+
+        handles = [module.register_forward_pre_hook(count, with_kwargs=True)]
+        if gradients:
+            handles.append(module.register_forward_hook(uses, with_kwargs=True))
+        return handles
 
     def square(_module, args, kwargs):
         x = args[0] if args else kwargs["input"]
@@ -184,4 +342,19 @@ def _hook(module, sums: _Sums):
         sums.sum_sq = found if sums.sum_sq is None else sums.sum_sq + found
         sums.inputs += x.shape[0]
 
-    return module.register_forward_pre_hook(square, with_kwargs=True)
+    sums.out_features = module.out_features
+
+    def outputs(_module, _args, output):
+        def gathered(g):
+            g = g.detach().reshape(-1, g.shape[-1]).double()
+            found = (g * g).sum(dim=0)
+            sums.grad_sq = found if sums.grad_sq is None else sums.grad_sq + found
+            sums.grads += g.shape[0]
+
+        if output.requires_grad:
+            output.register_hook(gathered)
+
+    handles = [module.register_forward_pre_hook(square, with_kwargs=True)]
+    if gradients:
+        handles.append(module.register_forward_hook(outputs))
+    return handles

@@ -145,22 +145,31 @@ def weighted_energy(
     squares: np.ndarray, names: list[str], rows: list[tuple[int, int]], weights: dict[str, TensorWeights]
 ) -> np.ndarray:
     """Per block (a row of `squares`: the squared delta of rows [r0, r1) of its tensor): the
-    sum over its rows r and columns j of delta[r, j]^2 * (E[x_j^2] + frequency of token r), the
-    expected energy its delta adds to the layer's output per token (its columns weighted where
-    a linear layer reads the tensor, its rows where an embedding looks them up). NaN where the
-    calibration did not reach the tensor, or its weights do not fit the block's shape. Summed
-    by numpy elementwise and pairwise, never through BLAS: the same bits on every CPU."""
+    sum over its rows r and columns j of delta[r, j]^2 * (E[x_j^2] * o_r + t_r), the expected
+    energy its delta adds to the layer's output per token (its columns weighted where a linear
+    layer reads the tensor, its rows where an embedding looks them up: t_r the token's
+    frequency), each output channel scaled by its relative gradient moment o_r where the
+    calibration took gradients (1 where not). NaN where the calibration did not reach the
+    tensor, or its weights do not fit the block's shape. Summed by numpy elementwise and
+    pairwise, never through BLAS: the same bits on every CPU."""
     out = np.full(len(names), np.nan)
     for i, (name, (r0, r1)) in enumerate(zip(names, rows)):
         w = weights.get(name)
         if w is None or r1 <= r0:
             continue
         block = squares[i].reshape(r1 - r0, -1)
-        if (w.columns is not None and w.columns.size != block.shape[1]) or (w.rows is not None and w.rows.size < r1):
+        if (
+            (w.columns is not None and w.columns.size != block.shape[1])
+            or (w.rows is not None and w.rows.size < r1)
+            or (w.outputs is not None and w.outputs.size < r1)
+        ):
             continue
         energy = 0.0
         if w.columns is not None:
-            energy += float(np.multiply(block, w.columns).sum())
+            per_row = np.multiply(block, w.columns).sum(axis=1)
+            if w.outputs is not None:
+                per_row = np.multiply(per_row, w.outputs[r0:r1])
+            energy += float(per_row.sum())
         if w.rows is not None:
             energy += float(np.multiply(block.sum(axis=1), w.rows[r0:r1]).sum())
         out[i] = energy

@@ -74,6 +74,7 @@ def ranking_of(spec: MergeSpec, family: Family, con) -> dict:
         "calibration": chosen.data_digest,
         "calibration_data": chosen.data_uri,
         "calibration_tokens": chosen.tokens,
+        "calibration_gradients": chosen.gradients,
     }
 
 

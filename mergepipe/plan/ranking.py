@@ -22,7 +22,7 @@ def choose_calibration(rows: list[CalibrationRow], wanted: str | None, base_uri:
         raise BadInput(
             f"rank_by: activation needs a calibration of the base, and the catalog has none: {calibrate_hint(base_uri)}"
         )
-    listed = "; ".join(f"{r.data_uri} ({r.data_digest[:12]})" for r in rows)
+    listed = "; ".join(f"{r.data_uri} ({r.data_digest[:12]}{', with gradients' if r.gradients else ''})" for r in rows)
     if wanted is None:
         if len(rows) == 1:
             return rows[0]

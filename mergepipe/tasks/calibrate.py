@@ -16,17 +16,25 @@ from mergepipe.tasks.declare import STORAGE_RETRIES, declare_task
 
 
 @declare_task("run-calibration")
-def run_calibration(family: Family, texts: list[str], max_length: int) -> tuple[dict[str, TensorWeights], dict]:
-    """The base run over the texts with hooks on its linear layers' inputs and its embeddings:
-    each tensor's weights, and the run's figures (texts, tokens, device, seconds)."""
+def run_calibration(
+    family: Family, texts: list[str], max_length: int, gradients: bool = False
+) -> tuple[dict[str, TensorWeights], dict]:
+    """The base run over the texts with hooks on its linear layers' inputs and its embeddings
+    (and with `gradients`, back-propagated): each tensor's weights, and the run's figures
+    (texts, tokens, device, seconds, objective)."""
     from mergepipe.evaluate.calibrate import calibrate_model
 
     with tempfile.TemporaryDirectory(prefix="mergepipe-calibrate-") as scratch:
         folder = local_folder(family.base, scratch)
-        run = calibrate_model(folder, texts, max_length, set(family.base.tensors))
-    names = sorted(set(run.moments) | set(run.frequencies))
-    weights = {n: TensorWeights(columns=run.moments.get(n), rows=run.frequencies.get(n)) for n in names}
-    figures = {"texts": run.texts, "tokens": run.tokens, "device": run.device, "seconds": run.seconds}
+        run = calibrate_model(folder, texts, max_length, set(family.base.tensors), gradients=gradients)
+    weights = run.tensor_weights()
+    figures = {
+        "texts": run.texts,
+        "tokens": run.tokens,
+        "device": run.device,
+        "seconds": run.seconds,
+        "objective": run.objective,
+    }
     return weights, figures
 
 
