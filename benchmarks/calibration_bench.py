@@ -6,10 +6,13 @@ causal-LM family, with calibration texts disjoint from the held-out ones.
         --results benchmarks/results/calibration
 
 For each family (and MiniLM variant), in a fresh catalog, in this process (no Prefect API):
-`index`, then `calibrate` (its seconds; it reads the base's files once), then a plan ranked by
-activation (the first weighs the experts indexed before the calibration: one more pass, timed),
-then task_arithmetic merges at each budget under each ranking (`delta`,
-`delta_over_sqrt_base`, `activation`) and at 100%, each scored per domain on held-out texts.
+`index`, then `calibrate` twice, plain and with --gradients (its seconds; it reads the base's
+files once), each followed by a plan ranked by activation under it (the first weighs the experts
+indexed before the calibration: one more pass, timed), then task_arithmetic merges at each
+budget under each ranking (`delta`, `delta_over_sqrt_base`, `activation` under the plain
+calibration, `activation+gradients` under the other; for MiniLM also `activation+masked-loss`,
+a calibration this benchmark makes with the family's own masked-LM loss through its frozen head)
+and at 100%, each scored per domain on held-out texts.
 Reported per row: the loss against the full merge's per domain, the worst domain, the expert
 bytes read, the error bound and, for the activation ranking, the predicted output energy it
 leaves out.
