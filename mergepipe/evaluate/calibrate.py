@@ -132,8 +132,8 @@ def gather_statistics(
     other keyword arguments of its forward), for every nn.Linear / nn.Embedding whose weight is
     one of `tensor_names`. With `objective(output, input_ids, kwargs)` (a scalar to
     back-propagate, or None to skip the input), the gradients' second moments too, under
-    `objective_name`. BadInput (naming `where`) when no input has a token or no module was
-    reached."""
+    `objective_name`; the model's parameters then stop requiring gradients. BadInput (naming
+    `where`) when no input has a token or no module was reached."""
     names = set(tensor_names)
     start = time.monotonic() if started is None else started
     gradients = objective is not None
