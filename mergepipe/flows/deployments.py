@@ -79,7 +79,7 @@ DEPLOYMENTS = [
         "calibrate",
         "mergepipe.flows.deployments:calibrate",
         "Run a config's base over calibration texts and keep what rank_by: activation weighs delta blocks by "
-        "(parameters: config, data, field, samples, max_length, catalog).",
+        "(parameters: config, data, field, samples, max_length, gradients, catalog).",
     ),
     DeploymentSpec(
         "merge-nightly",
