@@ -88,6 +88,34 @@ def test_the_lease_on_an_s3_output(s3):
     assert remote.stat(lease_location(out)) is None
 
 
+def test_an_s3_lease_released_while_it_is_read_is_taken(s3, monkeypatch):
+    """The holder releases the lease while the taker reads it (as the taker asks its version):
+    the taker finds it gone and takes it, rather than failing on the missing object."""
+    from mergepipe.storage import lease as lease_module
+    from mergepipe.storage import remote
+
+    out = "s3://ckpt/lease/raced"
+    first = _lease(out, "host:1:a")
+    first.acquire()
+    real = lease_module._etag
+    released = []
+
+    def released_first(fs, location):
+        if not released:  # the holder finishes just as the taker asks the lease's version
+            released.append(True)
+            first.release()
+        return real(fs, location)
+
+    monkeypatch.setattr(lease_module, "_etag", released_first)
+    second = _lease(out, "host:2:b")
+    second.acquire()
+    assert released
+    body = json.loads(remote.read_all(lease_location(out)))
+    assert body["owner"] == "host:2:b"
+    second.release()
+    assert remote.stat(lease_location(out)) is None
+
+
 @pytest.mark.slow
 def test_two_merges_at_once_to_one_output_one_publishes(bf16_family, tmp_path, session_catalog, monkeypatch):
     """The second stops before reading anything, naming the first; the first publishes, and the

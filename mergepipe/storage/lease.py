@@ -83,11 +83,15 @@ class OutputLease:
         """The lease's bytes and version (ETag, or the file's inode and mtime); None if absent."""
         if is_remote(self.location):
             fs = filesystem(self.location)
+            # The version first: if the lease is replaced before its bytes are read, a swap
+            # conditioned on the older version fails, as it should. Either read finds it gone
+            # when its holder releases it in between.
             try:
+                version = _etag(fs, self.location)
                 data = fs.cat_file(fs_path(self.location))
             except FileNotFoundError:
                 return None
-            return data, _etag(fs, self.location)
+            return data, version
         try:
             with open(self.location, "rb") as f:
                 st = os.fstat(f.fileno())
