@@ -1,6 +1,6 @@
 """A tiny Llama family that really learned something: a base trained on two synthetic text
 domains and two experts trained further on one domain each, with a word-level tokenizer and
-held-out texts of each domain (for the built-in evaluator and the search)."""
+held-out texts of each domain (for the built-in evaluator and the search); and a tiny BERT."""
 
 from __future__ import annotations
 
@@ -180,3 +180,41 @@ def make_llama_family(root: Path, *, steps: int = 30, seed: int = 0, batch: int 
     paths["heldout_mixed"] = str(root / "heldout_mixed.jsonl")
     paths["heldout_mixed_txt"] = str(root / "heldout_mixed.txt")
     return paths
+
+
+def make_bert(folder: Path, masked_lm: bool = False):
+    """A tiny BERT (hidden 16, one layer; BertModel, or BertForMaskedLM with `masked_lm`) over a
+    word-level vocabulary of a few words, saved with its tokenizer in `folder`."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import BertConfig, BertForMaskedLM, BertModel, PreTrainedTokenizerFast
+
+    words = "the red cat sees a blue dog and one two three four five".split()
+    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_input_names=["input_ids", "token_type_ids", "attention_mask"],  # as BERT's own
+    )
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        max_position_embeddings=32,
+    )
+    torch.manual_seed(0)
+    model = (BertForMaskedLM if masked_lm else BertModel)(config).eval()
+    model.save_pretrained(str(folder))
+    tokenizer.save_pretrained(str(folder))
+    return model, tokenizer

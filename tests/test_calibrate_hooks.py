@@ -12,7 +12,7 @@ import pytest
 
 from mergepipe.errors import BadInput
 
-from .llama_family import llama_config, make_tokenizer, sentences
+from .llama_family import llama_config, make_bert, make_tokenizer, sentences
 
 pytest.importorskip("transformers")
 
@@ -127,42 +127,6 @@ def test_truncation_and_bare_class_with_prefixed_checkpoint(tmp_path):
     expected = {n for n in names if n.endswith("_proj.weight")} | {"model.embed_tokens.weight"}
     assert set(full.moments) | set(full.frequencies) == expected
     np.testing.assert_allclose(full.frequencies["model.embed_tokens.weight"].sum(), 1.0)
-
-
-def make_bert(folder: Path):
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
-
-    words = "the red cat sees a blue dog and one two three four five".split()
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-        model_input_names=["input_ids", "token_type_ids", "attention_mask"],  # as BERT's own
-    )
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
-    torch.manual_seed(0)
-    model = BertModel(config).eval()
-    model.save_pretrained(str(folder))
-    tokenizer.save_pretrained(str(folder))
-    return model, tokenizer
 
 
 BERT_TEXTS = ["the red cat sees a blue dog", "one two three four five one two", "five"]

@@ -17,7 +17,7 @@ from mergepipe.errors import BadInput
 from mergepipe.evaluate import Score, evaluate, mean_loss, run_command
 from mergepipe.evaluate.perplexity import MASK_AT, MASK_EVERY, read_texts
 
-from .llama_family import make_llama_family
+from .llama_family import make_bert, make_llama_family
 
 
 def command(cmd: str, timeout: float | None = None) -> CommandEvaluation:
@@ -239,37 +239,8 @@ def test_nonfinite_weights_are_a_failed_score(family, tmp_path):
 @pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
 def test_masked_lm_scores_fixed_positions(tmp_path):
     pytest.importorskip("transformers")
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-    from transformers import BertConfig, BertForMaskedLM, PreTrainedTokenizerFast
-
-    words = "the red cat sees a blue dog and one two three four five".split()
-    vocab = {w: i for i, w in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words])}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="[UNK]",
-        pad_token="[PAD]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
-    torch.manual_seed(0)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=16,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=32,
-        max_position_embeddings=32,
-    )
     folder = tmp_path / "bert"
-    BertForMaskedLM(config).save_pretrained(str(folder))
-    fast.save_pretrained(str(folder))
+    _, tokenizer = make_bert(folder, masked_lm=True)
     texts = ["the red cat sees a blue dog", "one two three four five one two three four five", "one"]
     data = tmp_path / "texts.txt"
     data.write_text("\n".join(texts))
@@ -278,7 +249,7 @@ def test_masked_lm_scores_fixed_positions(tmp_path):
     # [CLS] w1 … wn [SEP]: positions p with p % 7 == 3 among 1..n
     expected = sum(1 for t in texts for p in range(1, len(t.split()) + 1) if p % MASK_EVERY == MASK_AT)
     assert s.metrics["tokens"] == expected == 3
-    assert s.score == pytest.approx(math.log(len(vocab)), rel=0.5)  # untrained: near uniform
+    assert s.score == pytest.approx(math.log(len(tokenizer)), rel=0.5)  # untrained: near uniform
 
 
 @pytest.mark.slow  # loads transformers and trains the tiny family (seconds each, minutes loaded)
